@@ -1,0 +1,194 @@
+"""The sandbox service's public contract: what a task is, what a sandbox does, what it reports.
+
+This module owns the types that cross the boundary between the sandbox service and its callers
+(the t1jax controller and harness). Everything here is backend-neutral: the local bubblewrap
+backend, the Kubernetes backend and the Modal backend all produce the same `ExecResult` and
+`VerifierReport`, so the caller cannot tell which backend served it.
+
+Invariants:
+- A `Task` that exists has passed load-time validation: its instruction is non-empty, its tests
+  directory exists and holds its test script, its limits are positive. Malformed tasks never reach
+  a sandbox (loaders report them with path and field instead).
+- `Sandbox.verify()` never raises because of what the agent did or what the verifier printed: a
+  broken, missing or empty report becomes `parsed=False` with a `FailureCause`.
+- `Sandbox.close()` is idempotent and reclaims every process and file the sandbox owned.
+- Dependencies point one way: this package never imports t1jax.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+
+class TaskLayout(str, enum.Enum):
+    TERMINAL_BENCH_1 = "terminal-bench-1"  # task.yaml, run-tests.sh, tests/, solution.sh
+    HARBOR = "harbor"  # task.toml, instruction.md, environment/, tests/test.sh, solution/solve.sh
+
+
+class Difficulty(str, enum.Enum):
+    EASY = "easy"
+    MEDIUM = "medium"
+    HARD = "hard"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class TaskLimits:
+    """Wall-clock deadlines in seconds. The verifier runs even when the agent deadline expires;
+    the total deadline bounds create + agent + verify together."""
+
+    agent_timeout_sec: float = 3600.0
+    verifier_timeout_sec: float = 900.0
+    total_timeout_sec: float = 5400.0
+
+
+@dataclass(frozen=True)
+class EnvironmentSpec:
+    """How to build the task's environment. Exactly one of `dockerfile` / `docker_image` is set
+    (a Harbor task may give only an image). `context_dir` is the Docker build context."""
+
+    dockerfile: Path | None = None
+    docker_image: str | None = None
+    context_dir: Path | None = None
+    workdir: str = "/app"
+    cpus: float = 1.0
+    memory_mb: int = 2048
+    storage_mb: int = 10240
+    allow_internet: bool = False
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One self-contained terminal task: instruction, environment, held-out verifier, solution.
+
+    `tests_dir` is never visible to the agent; it is copied into the sandbox only at verify time.
+    `test_script` is the verifier entry point relative to `tests_dir` for Harbor
+    (`test.sh`) or relative to `source_dir` for Terminal-Bench 1.x (`run-tests.sh`).
+    """
+
+    task_id: str
+    instruction: str
+    source_dir: Path
+    layout: TaskLayout
+    environment: EnvironmentSpec
+    tests_dir: Path
+    test_script: Path
+    solution_script: Path | None = None
+    difficulty: Difficulty = Difficulty.UNKNOWN
+    category: str = "software_engineering"
+    tags: tuple[str, ...] = ()
+    parser_name: str = "pytest"
+    limits: TaskLimits = field(default_factory=TaskLimits)
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """Result of one command. Output beyond the cap keeps its head and tail; the omitted middle
+    is counted in `*_omitted_bytes` (0 means nothing was cut). `exit_code` is None when the
+    command was killed at its deadline (`timed_out=True`)."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    timed_out: bool
+    duration_sec: float
+    stdout_omitted_bytes: int = 0
+    stderr_omitted_bytes: int = 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.stdout_omitted_bytes > 0 or self.stderr_omitted_bytes > 0
+
+
+@dataclass(frozen=True)
+class TerminalRead:
+    """New terminal output since the previous read of an interactive (tmux) session."""
+
+    text: str
+    omitted_bytes: int = 0
+
+
+class FailureCause(str, enum.Enum):
+    NONE = "none"
+    VERIFIER_TIMEOUT = "verifier_timeout"
+    MISSING_REPORT = "missing_report"
+    PARSE_ERROR = "parse_error"
+    EMPTY_REPORT = "empty_report"
+    TESTS_TAMPERED = "tests_tampered"  # checksum of the copied tests did not match the task's
+    SANDBOX_ERROR = "sandbox_error"
+
+
+@dataclass(frozen=True)
+class AssertionResult:
+    name: str
+    passed: bool
+
+
+@dataclass(frozen=True)
+class VerifierReport:
+    """Per-assertion outcome of the task's own verifier.
+
+    `assertions` lists every test the verifier reported, in report order. `parsed` is False when
+    no per-assertion record could be read; then `failure_cause` says why and `assertions` is
+    empty. `binary_outcome` is the task-level pass/fail (verifier exit status, or Harbor's
+    reward file), kept separately so a caller can fall back to it; None when unknown (e.g. the
+    verifier timed out).
+    """
+
+    assertions: tuple[AssertionResult, ...]
+    parsed: bool
+    failure_cause: FailureCause
+    binary_outcome: bool | None
+    reward_value: float | None = None  # Harbor reward.txt / reward.json value, if present
+    detail: str = ""  # human-readable note on what went wrong, for logs
+
+    @property
+    def passed(self) -> int:
+        return sum(a.passed for a in self.assertions)
+
+    @property
+    def total(self) -> int:
+        return len(self.assertions)
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """A live sandbox for one trial of one task. Lifecycle: created by a `SandboxProvider`,
+    then any number of `exec` / `send_keys` calls, then `verify()` at most once, then `close()`.
+    After `verify()` the agent may not run anything more (calls raise)."""
+
+    @property
+    def sandbox_id(self) -> str: ...
+
+    @property
+    def task(self) -> Task: ...
+
+    def exec(self, command: str, timeout_sec: float) -> ExecResult:
+        """Run `command` with bash in the task workdir; kill it (and its children) at the deadline."""
+        ...
+
+    def send_keys(self, keys: str, wait_sec: float) -> TerminalRead:
+        """Type `keys` into the sandbox's interactive tmux session, wait `wait_sec`, return the new
+        screen output since the previous read."""
+        ...
+
+    def verify(self) -> VerifierReport:
+        """Kill everything the agent left running, copy in the task's tests, check them against
+        the task's checksums, run the verifier under its own deadline, and parse its report."""
+        ...
+
+    def close(self) -> None:
+        """Kill every process and remove every file of this sandbox. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class SandboxProvider(Protocol):
+    """Creates sandboxes (in-process backend or the HTTP client of a running service)."""
+
+    def create(self, task: Task, *, run_id: str = "default") -> Sandbox: ...

@@ -1,0 +1,1 @@
+"""Sampler contract and implementations (embedded JAX engine, vLLM-TPU adapter)."""

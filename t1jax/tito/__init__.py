@@ -1,0 +1,1 @@
+"""Token-in-token-out: trajectory stitching, boundary repair, drift audit, routing alignment."""
