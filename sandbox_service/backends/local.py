@@ -62,6 +62,7 @@ import os
 import random
 import shutil
 import stat
+import sys
 import threading
 import time
 import uuid
@@ -83,6 +84,7 @@ from sandbox_service.contracts import (
 )
 from sandbox_service.envbuild import (
     DEFAULT_PATH,
+    HOLDER_SCRIPT,
     PRIVATE_DIRS,
     BuiltEnvironment,
     EnvironmentBuilder,
@@ -157,8 +159,12 @@ class LocalBackend:
         self.max_output_bytes = max_output_bytes
         self.terminal_read_bytes = terminal_read_bytes
         self.run_tmpfs_mb = run_tmpfs_mb
-        self.builder = EnvironmentBuilder(self.cache_dir, network=build_network, build_timeout_sec=build_timeout_sec)
-        self.tools = {name: _require_tool(name) for name in ("bwrap", "nsenter", "setpriv", "unshare", "tmux")}
+        self.builder = EnvironmentBuilder(
+            self.cache_dir, network=build_network, build_timeout_sec=build_timeout_sec
+        )
+        self.tools = {
+            name: _require_tool(name) for name in ("bwrap", "nsenter", "setpriv", "unshare", "tmux")
+        }
         self.masked_top_level = host_masked_top_level()
         self._sandboxes: dict[str, LocalSandbox] = {}
         self._lock = threading.Lock()
@@ -189,8 +195,12 @@ class LocalBackend:
         return sandbox
 
     def live_sandboxes(self, run_id: str | None = None) -> list[str]:
-        """Ids of sandboxes with state on this host (this process's or a dead one's), optionally of one run."""
-        return [meta["sandbox_id"] for meta in self._state_records() if run_id is None or meta.get("run_id") == run_id]
+        """Ids of sandboxes with state under this cache dir (this process's or a dead one's), of `run_id`."""
+        return [
+            meta["sandbox_id"]
+            for meta in self._state_records()
+            if run_id is None or meta.get("run_id") == run_id
+        ]
 
     def reap(self, run_id: str | None = None) -> list[str]:
         """Kill and remove every sandbox left behind (of `run_id`, or all); return their ids."""
@@ -260,7 +270,9 @@ class LocalBackend:
 class LocalSandbox:
     """One live trial sandbox of a `LocalBackend` (see the `Sandbox` protocol for the lifecycle)."""
 
-    def __init__(self, backend: LocalBackend, task: Task, environment: BuiltEnvironment, run_id: str, uid: int):
+    def __init__(
+        self, backend: LocalBackend, task: Task, environment: BuiltEnvironment, run_id: str, uid: int
+    ):
         self._backend = backend
         self._task = task
         self._environment = environment
@@ -284,6 +296,7 @@ class LocalSandbox:
         self.total_deadline = self.created_at + task.limits.total_timeout_sec
         self.state_path = backend.state_dir / self._id
         self.env = _sandbox_env(task, environment)
+        self._network_shared = task.environment.allow_internet and backend.allow_internet
 
     # -- Sandbox protocol -------------------------------------------------------------------------
 
@@ -305,10 +318,15 @@ class LocalSandbox:
             run = self._run_inside(["/bin/bash", "-lc", command], timeout)
         finally:
             self._end_agent_call()
+        exit_code = run.exit_code
+        if (
+            exit_code is not None and exit_code < 0
+        ):  # nsenter re-raises a fatal signal: report it as a shell does
+            exit_code = 128 - exit_code
         return ExecResult(
             stdout=run.stdout,
             stderr=run.stderr,
-            exit_code=run.exit_code,
+            exit_code=exit_code,
             timed_out=run.timed_out,
             duration_sec=run.duration_sec,
             stdout_omitted_bytes=run.stdout_omitted_bytes,
@@ -346,7 +364,9 @@ class LocalSandbox:
         try:
             return self._verify()
         except Exception as error:  # a bug or host failure, not something the agent did
-            return VerifierReport((), False, FailureCause.SANDBOX_ERROR, None, None, f"{type(error).__name__}: {error}")
+            return VerifierReport(
+                (), False, FailureCause.SANDBOX_ERROR, None, None, f"{type(error).__name__}: {error}"
+            )
         finally:
             with self._lock:
                 if self._state == _State.VERIFYING:
@@ -365,7 +385,13 @@ class LocalSandbox:
 
     @classmethod
     def _start(
-        cls, backend: LocalBackend, task: Task, environment: BuiltEnvironment, toolchain: Toolchain, run_id: str, uid: int
+        cls,
+        backend: LocalBackend,
+        task: Task,
+        environment: BuiltEnvironment,
+        toolchain: Toolchain,
+        run_id: str,
+        uid: int,
     ) -> LocalSandbox:
         sandbox = cls(backend, task, environment, run_id, uid)
         try:
@@ -444,7 +470,9 @@ class LocalSandbox:
                  "options": f"lowerdir={environment.upper}:{STAGING}/host"}
             )  # fmt: skip
         else:
-            ops.append({"op": "bind", "source": f"{STAGING}/host", "target": f"{STAGING}/root", "readonly": True})
+            ops.append(
+                {"op": "bind", "source": f"{STAGING}/host", "target": f"{STAGING}/root", "readonly": True}
+            )
         inodes = max(16384, spec.storage_mb * 64)
         ops.append(
             {"op": "mount", "source": f"t1jax-disk-{self._id}", "target": disk, "fstype": "tmpfs",
@@ -455,21 +483,32 @@ class LocalSandbox:
             ops.append({"op": "mkdir", "path": f"{disk}/{name}", "mode": mode, "uid": uid, "gid": uid})
             seed = environment.seeds.get(name)
             if seed is not None and seed.is_dir() and any(seed.iterdir()):
-                ops.append({"op": "copy", "source": str(seed), "target": f"{disk}/{name}", "uid": uid, "gid": uid})
+                ops.append(
+                    {"op": "copy", "source": str(seed), "target": f"{disk}/{name}", "uid": uid, "gid": uid}
+                )
         for sub in ("agent", "artifacts", "verifier"):
             ops.append({"op": "mkdir", "path": f"{disk}/logs/{sub}", "mode": 0o755, "uid": uid, "gid": uid})
         for name, path in sorted(environment.masked_tops.items()):
             ops.append({"op": "mkdir", "path": f"{STAGING}/tops/{name}", "mode": 0o755})
-            ops.append({"op": "bind", "source": str(path), "target": f"{STAGING}/tops/{name}", "readonly": True})
+            ops.append(
+                {"op": "bind", "source": str(path), "target": f"{STAGING}/tops/{name}", "readonly": True}
+            )
         ops.append({"op": "mkdir", "path": f"{STAGING}/toolchain", "mode": 0o755})
-        ops.append({"op": "bind", "source": str(toolchain.directory), "target": f"{STAGING}/toolchain", "readonly": True})
+        ops.append(
+            {
+                "op": "bind",
+                "source": str(toolchain.directory),
+                "target": f"{STAGING}/toolchain",
+                "readonly": True,
+            }
+        )
         ops.append({"op": "mkdir", "path": f"{STAGING}/verify", "mode": 0o755})
         return ops
 
     def _bwrap_args(self, *, verifier: bool) -> list[str]:
         """bwrap arguments for the agent's init or the verifier; paths are in the holder's staging tree."""
         spec = self._task.environment
-        network = spec.allow_internet and self._backend.allow_internet
+        network = self._network_shared
         run_size = str(self._backend.run_tmpfs_mb << 20)
         args = [
             "--unshare-user", "--uid", "0", "--gid", "0",
@@ -506,7 +545,9 @@ class LocalSandbox:
             raise SandboxLifecycleError(f"sandbox {self._id} is closed")
         if self._state == _State.EXPIRED:
             limit = self._task.limits.total_timeout_sec
-            raise SandboxDeadlineExpired(f"sandbox {self._id}: trial deadline ({limit:.0f} s) passed", "total")
+            raise SandboxDeadlineExpired(
+                f"sandbox {self._id}: trial deadline ({limit:.0f} s) passed", "total"
+            )
 
     def _begin_agent_call(self, timeout_sec: float) -> float:
         """Admit an agent call; returns its timeout clamped to the agent deadline."""
@@ -517,9 +558,13 @@ class LocalSandbox:
             remaining = self.agent_deadline - time.monotonic()
             if remaining <= 0:
                 limit = self._task.limits.agent_timeout_sec
-                raise SandboxDeadlineExpired(f"sandbox {self._id}: agent deadline ({limit:.0f} s) passed", "agent")
+                raise SandboxDeadlineExpired(
+                    f"sandbox {self._id}: agent deadline ({limit:.0f} s) passed", "agent"
+                )
             if _proc.pid_start_time(self.init_pid) != self._init_start:
-                raise SandboxLifecycleError(f"sandbox {self._id}: its init process is gone (killed from inside?)")
+                raise SandboxLifecycleError(
+                    f"sandbox {self._id}: its init process is gone (killed from inside?)"
+                )
             self._active_execs += 1
             return min(max(0.0, timeout_sec), remaining)
 
@@ -532,13 +577,16 @@ class LocalSandbox:
         """Run `argv` inside the running sandbox's namespaces and cgroups, as the sandbox's root
         with no capabilities; kill its session at the deadline."""
         tools = self._backend.tools
+        # With a shared (host) network namespace there is nothing to enter, and nothing we may enter.
+        net = [] if self._network_shared else ["-n"]
         command = [
             "/bin/sh", "-c", _JOIN_CGROUPS, "sh", *self.cgroups.procs_files, "--",
             tools["setpriv"], "--reuid", str(self.uid), "--regid", str(self.uid), "--clear-groups",
-            tools["nsenter"], "-t", str(self.init_pid), "-U", "-m", "-p", "-n", "-i", "-u", "-r",
+            tools["nsenter"], "-t", str(self.init_pid), "-U", "-m", "-p", *net, "-i", "-u", "-r",
             f"--wdns={self._task.environment.workdir}",
             "--preserve-credentials", "--",
-            "/usr/bin/setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs",
+            "/usr/bin/setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all",
+            "--no-new-privs",
             "--", *argv,
         ]  # fmt: skip
         half = self._backend.max_output_bytes // 2
@@ -583,7 +631,9 @@ class LocalSandbox:
             argv += ([";"] if index else []) + command
         run = self._run_inside(argv, timeout_sec)
         if run.exit_code != 0:
-            raise SandboxError(f"sandbox {self._id}: tmux {commands[0][0]} failed: {run.stderr.strip()[:500]}")
+            raise SandboxError(
+                f"sandbox {self._id}: tmux {commands[0][0]} failed: {run.stderr.strip()[:500]}"
+            )
         return run
 
     def _ensure_terminal(self) -> None:
@@ -593,14 +643,27 @@ class LocalSandbox:
             [
                 ["-f", "/dev/null", "start-server"],
                 ["set-option", "-g", "history-limit", "100000"],
-                ["new-session", "-d", "-s", TMUX_SESSION, "-x", str(TERMINAL_COLUMNS), "-y", str(TERMINAL_ROWS),
-                 "-c", self._task.environment.workdir, "/bin/bash --login"],
+                [
+                    "new-session",
+                    "-d",
+                    "-s",
+                    TMUX_SESSION,
+                    "-x",
+                    str(TERMINAL_COLUMNS),
+                    "-y",
+                    str(TERMINAL_ROWS),
+                    "-c",
+                    self._task.environment.workdir,
+                    "/bin/bash --login",
+                ],
             ]  # fmt: skip
         )
         self._terminal_started = True
 
     def _read_terminal(self) -> TerminalRead:
-        history = self._tmux([["capture-pane", "-p", "-J", "-S", "-", "-E", "-", "-t", TMUX_SESSION]]).stdout.rstrip()
+        history = self._tmux(
+            [["capture-pane", "-p", "-J", "-S", "-", "-E", "-", "-t", TMUX_SESSION]]
+        ).stdout.rstrip()
         previous, self._terminal_seen = self._terminal_seen, history
         if history.startswith(previous):
             new_text = history[len(previous) :].lstrip("\n") if previous else history
@@ -616,7 +679,9 @@ class LocalSandbox:
         timeout = min(limits.verifier_timeout_sec, remaining_total)
         self._stop_agent_processes()
         if timeout <= 0:
-            return VerifierReport((), False, FailureCause.VERIFIER_TIMEOUT, None, None, "trial deadline passed before verify")
+            return VerifierReport(
+                (), False, FailureCause.VERIFIER_TIMEOUT, None, None, "trial deadline passed before verify"
+            )
         staging = Path(f"/proc/{self._holder.pid}/root{STAGING}")
         verify_dir = staging / "verify"
         for child in list(verify_dir.iterdir()):
@@ -645,7 +710,7 @@ class LocalSandbox:
         tools = self._backend.tools
         command = [
             tools["nsenter"], f"--mount=/proc/{self._holder.pid}/ns/mnt", "--",
-            "/bin/sh", "-c", _JOIN_CGROUPS, "sh", *self.cgroups.procs_files, "--",
+            sys.executable, "-I", str(HOLDER_SCRIPT), "--reap-exec", *self.cgroups.procs_files, "--",
             tools["setpriv"], "--reuid", str(self.uid), "--regid", str(self.uid), "--clear-groups",
             tools["bwrap"], *self._bwrap_args(verifier=True), "--", *plan.argv,
         ]  # fmt: skip
@@ -740,5 +805,3 @@ def _reap_record(state_path: Path, meta: Mapping) -> None:
         groups.kill_all()
         groups.remove()
     shutil.rmtree(state_path, ignore_errors=True)
-
-
