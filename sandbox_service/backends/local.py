@@ -5,54 +5,60 @@ sandboxes with bubblewrap, Linux namespaces and cgroup v1, without Docker.
 
 Isolation design (one sandbox):
 - Identity. The sandbox runs in its own user namespace in which uid/gid 0 is mapped to one
-  unprivileged host uid/gid N picked for this sandbox (`bwrap --unshare-user --uid 0`, bwrap run as
-  N). Inside, commands look like root and own their files; on the host they are uid N, so every
-  host file they see is owned by an unmapped user: mode-600 files such as /etc/shadow are
-  unreadable, and nothing can be written without an explicit writable mount. All capabilities
-  are dropped (bwrap for its child; `setpriv --bounding-set=-all --no-new-privs` for each command
-  entered with nsenter), so setuid binaries gain nothing and mounts cannot be changed.
+  unprivileged host uid/gid N picked for this sandbox (bwrap runs as N with `--unshare-user
+  --uid 0`). Inside, commands look like root and own their files; on the host they are uid N, so
+  every host file they can see belongs to an unmapped user: mode-600 files such as /etc/shadow are
+  unreadable, and nothing is writable without an explicit writable mount. All capabilities are
+  dropped (bwrap for its child; `setpriv --bounding-set=-all --no-new-privs` for each command
+  entered with nsenter), so setuid binaries gain nothing and mounts cannot be changed. Nested user
+  namespaces are not blocked (no seccomp filter here; bwrap's --disable-userns would also stop
+  nsenter from entering the sandbox's other namespaces).
 - Namespaces. Own pid namespace (`ps` shows only the sandbox; other sandboxes' and the host's
   processes cannot be signalled or even named), ipc, uts (hostname `sandbox`), mount, and a network
   namespace holding only loopback unless the task allows internet *and* the backend was created
   with `allow_internet=True` (then the host network namespace is shared).
 - Filesystem. A holder process (`_holder.py`, root, in a private mount namespace of its own) builds
-  a staging tree under a tmpfs on `/run`: the root view is a read-only overlay of the built
+  a staging tree under a tmpfs on `/run`: the root view is a read-only overlay of the task's built
   environment layer over an overlay of the host root (`envbuild`), so only the root filesystem's
-  own content is visible (no host submounts such as /sys/fs/cgroup). Host top-level directories
-  outside bin/sbin/lib*/usr/etc/opt/var (e.g. /root, /home, /work with the repository, /srv, /mnt,
-  the service's cache) are replaced by empty read-only directories (or by what the task's build
-  put there). Writable, and private to the sandbox: the task workdir (e.g. /app, seeded from the
-  build), /root, /tmp, /var/tmp and /logs - all on one tmpfs of the task's `storage_mb` (the
-  disk cap; its pages are also charged to the sandbox's memory cgroup) - plus small tmpfs /run and
+  own content is visible (no host submounts such as /sys/fs/cgroup or /proc). Host top-level
+  entries outside bin/sbin/lib*/usr/etc/opt/var (e.g. /root, /home, /work with the repository,
+  /srv, /mnt, the service's cache) are replaced by empty read-only ones (or by what the task's
+  build put there). Writable and private to the sandbox: the task workdir (e.g. /app, seeded from
+  the build), /root, /tmp, /var/tmp and /logs - all on one tmpfs of the task's `storage_mb` (the
+  disk cap; its pages also count against the sandbox's memory limit) - plus 64 MiB tmpfs /run and
   /dev/shm. /tests exists but is an empty read-only directory while the agent runs.
 - Resources. One cgroup per controller (memory, pids, freezer, cpu) per sandbox, nested under the
   service's own cgroup: memory limit = task `memory_mb` (memory+swap too where available),
   `pids.max` = backend `pids_max`, CPU quota = task `cpus`. Every process of the sandbox joins them
-  before exec; no cgroupfs is mounted inside, so nothing can leave.
-- Processes. The holder spawns the sandbox's init (`bwrap ... sleep infinity`, `--die-with-parent`)
-  into the cgroups. Each `exec` is a fresh `bash -lc` entered into the init's namespaces with
-  nsenter (same pid namespace, mounts, network, cgroups), run in its own session; at the command's
-  deadline the whole session is killed. Background processes the command started survive until
-  `verify`/`close` (like a container), unless they outlive the trial deadline.
+  before it execs; no cgroupfs is mounted inside, so nothing can leave.
+- Processes. The holder spawns the sandbox's init (`bwrap ... sleep infinity`) into the cgroups and
+  waits until it reports ready (bwrap announces its pid before its mounts are done). Each `exec` is
+  a fresh `bash -lc` entered into the init's namespaces with nsenter (same pid namespace, mounts,
+  network, cgroups) in its own session; at the command's deadline the whole session is killed.
+  Background processes a command starts survive until `verify`/`close` (as in a container) or the
+  trial deadline. The holder is a child subreaper, so bwrap's namespace init never ends up a
+  zombie of the host's pid 1.
 - Interactive terminal. `send_keys` drives a tmux server started inside the sandbox (entered the
   same way as `exec`), so typed commands are isolated exactly like `exec`.
 - Verification. `verify` SIGKILLs the sandbox's pid-namespace init and sweeps the cgroups (freeze,
   kill, thaw), so nothing the agent started survives; copies the task's tests into a fresh
-  directory in the holder's staging tree (which the agent never had mounted), checks them against
-  the checksums taken at `create`, and runs the verifier as a new bwrap sandbox (new namespaces,
-  same filesystem view, /tests read-only, a fresh /logs/verifier, the pinned pytest toolchain
-  read-only) under its own deadline. See `sandbox_service.verifier` for what it executes.
+  directory of the holder's staging tree (never mounted in the agent's view), checks them against
+  the checksums taken at `create`, replaces /logs/verifier with a fresh directory, and runs the
+  verifier as a new bwrap sandbox (new namespaces, same filesystem view, /tests read-only, the
+  pinned pytest toolchain read-only) under its own deadline. `sandbox_service.verifier` says what
+  it executes; `sandbox_service.reports` how its report is read.
 - Reclamation. `close` kills the cgroups' members, ends the holder (its mount namespace, and with
-  it the tmpfs and overlays, disappears), removes the cgroups and the state directory. If the
-  service dies, holders see EOF on stdin and kill their sandboxes; `reap` removes what is left
-  (state directories record pids with start times, cgroup paths and the run id).
+  it every tmpfs and overlay of the sandbox, disappears), removes the cgroups and the state
+  directory. If the service dies, each holder sees EOF on its stdin and kills its sandbox by
+  itself; `reap` then removes the leftover cgroups and state (state records hold pids with start
+  times, cgroup paths and the run id).
 
 Invariants:
 - `LocalBackend` is safe to use from many threads; each `LocalSandbox` serializes its lifecycle
   transitions (exec may run concurrently with exec, never with verify or close).
 - After `close` (or `reap`) no process, cgroup, mount or state directory of the sandbox remains.
 - `create` raises `UnsupportedEnvironment` before starting any process if the task's environment
-  is outside the Dockerfile subset, and never leaves anything behind when it fails.
+  is outside the Dockerfile subset, and leaves nothing behind when it fails.
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ from enum import Enum
 from pathlib import Path
 
 from sandbox_service.backends import _proc
-from sandbox_service.backends._cgroup import SandboxCgroups
+from sandbox_service.backends._cgroup import SandboxCgroups, remove_parents_if_empty
 from sandbox_service.contracts import (
     ExecResult,
     FailureCause,
@@ -162,9 +168,7 @@ class LocalBackend:
         self.builder = EnvironmentBuilder(
             self.cache_dir, network=build_network, build_timeout_sec=build_timeout_sec
         )
-        self.tools = {
-            name: _require_tool(name) for name in ("bwrap", "nsenter", "setpriv", "unshare", "tmux")
-        }
+        self.tools = {name: _require_tool(name) for name in ("bwrap", "nsenter", "setpriv", "unshare")}
         self.masked_top_level = host_masked_top_level()
         self._sandboxes: dict[str, LocalSandbox] = {}
         self._lock = threading.Lock()
@@ -225,6 +229,7 @@ class LocalBackend:
             sandboxes = list(self._sandboxes.values())
         for sandbox in sandboxes:
             sandbox.close()
+        remove_parents_if_empty()
 
     def __enter__(self) -> LocalBackend:
         return self
@@ -626,7 +631,7 @@ class LocalSandbox:
     # -- terminal ---------------------------------------------------------------------------------
 
     def _tmux(self, commands: list[list[str]], timeout_sec: float = 10.0):
-        argv = [self._backend.tools["tmux"], "-S", TMUX_SOCKET]
+        argv = ["tmux", "-S", TMUX_SOCKET]  # the sandbox's own tmux (its PATH, its root view)
         for index, command in enumerate(commands):
             argv += ([";"] if index else []) + command
         run = self._run_inside(argv, timeout_sec)
@@ -639,6 +644,8 @@ class LocalSandbox:
     def _ensure_terminal(self) -> None:
         if self._terminal_started:
             return
+        if self._run_inside(["/bin/sh", "-c", "command -v tmux"], 10).exit_code != 0:
+            raise SandboxError(f"sandbox {self._id}: no tmux in the environment (apt-get install tmux)")
         self._tmux(
             [
                 ["-f", "/dev/null", "start-server"],
