@@ -13,11 +13,12 @@ from sandbox_service.envbuild import (
     EnvironmentBuildError,
     RunStep,
     WorkdirStep,
+    check_environment,
     parse_dockerfile,
 )
 from sandbox_service.tasks import load_task
 
-from .conftest import HARBOR_BUILD, HARBOR_HELLO
+from .conftest import HARBOR_BUILD, HARBOR_HELLO, TB1_HELLO
 
 
 def _parse(text: str, context: Path) -> object:
@@ -216,3 +217,15 @@ def test_pip_install_at_build_time_with_network(tmp_path):
     )
     built = builder.build(load_task(task_dir))
     assert list(built.upper.glob("usr/local/lib/python3*/dist-packages/tomli_w/__init__.py"))
+
+
+def test_multi_service_compose_is_rejected(tmp_path):
+    task_dir = shutil.copytree(TB1_HELLO, tmp_path / "task")
+    (task_dir / "docker-compose.yaml").write_text(
+        "services:\n  client:\n    build:\n      dockerfile: Dockerfile\n"
+        "  database:\n    image: postgres:16\n"
+    )
+    with pytest.raises(
+        UnsupportedEnvironment, match="2 services \\(client, database\\); the local backend runs one"
+    ):
+        check_environment(load_task(task_dir))

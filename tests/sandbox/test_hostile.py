@@ -405,3 +405,21 @@ def test_changed_tests_are_detected_by_checksum(backend, tmp_path):
         sandbox.close()
     assert report.failure_cause == FailureCause.TESTS_TAMPERED and not report.parsed
     assert "changed test_outputs.py" in report.detail
+
+
+def test_report_directory_swapped_for_a_symlink_is_replaced(backend):
+    task = load_task(TB1_HELLO)
+    sandbox = backend.create(task)
+    try:
+        swap = sandbox.exec("rm -rf /logs/verifier && ln -s /app /logs/verifier && " + _FAKE_REPORTS, 30)
+        assert swap.exit_code == 0 and sandbox.exec("ls /app", 30).stdout.split() == [
+            "ctrf.json",
+            "junit.xml",
+            "reward.txt",
+        ]
+        report = sandbox.verify()
+        disk = Path(f"/proc/{sandbox.holder_pid}/root/run/t1jax/disk")
+        assert (disk / "logs" / "verifier").is_dir() and not (disk / "logs" / "verifier").is_symlink()
+    finally:
+        sandbox.close()
+    assert report.parsed and (report.passed, report.total) == (0, 2) and report.reward_value is None
