@@ -289,3 +289,20 @@ def test_limits_default_from_task(backend, hello_task):
         assert int(df) == 256  # storage_mb
     finally:
         sandbox.close()
+
+
+@pytest.mark.slow
+def test_apt_get_install_at_build_time_is_usable_in_the_sandbox(backend, tmp_path):
+    task_dir = copy_task(TB1_LOGS, tmp_path / "apt-task")
+    (task_dir / "Dockerfile").write_text(
+        "FROM debian:bookworm\nWORKDIR /app\n"
+        "RUN apt-get update && apt-get install -y --no-install-recommends figlet && rm -rf /var/lib/apt/lists/*\n"
+    )
+    assert not Path("/usr/bin/figlet").exists()  # the host does not have it
+    sandbox = backend.create(load_task(task_dir))
+    try:
+        result = sandbox.exec("figlet -v | head -1; touch /usr/bin/figlet", 60)
+        assert result.stdout.startswith("FIGlet Copyright") and "Read-only file system" in result.stderr
+    finally:
+        sandbox.close()
+    assert not Path("/usr/bin/figlet").exists()
