@@ -296,7 +296,8 @@ def test_apt_get_install_at_build_time_is_usable_in_the_sandbox(backend, tmp_pat
     task_dir = copy_task(TB1_LOGS, tmp_path / "apt-task")
     (task_dir / "Dockerfile").write_text(
         "FROM debian:bookworm\nWORKDIR /app\n"
-        "RUN apt-get update && apt-get install -y --no-install-recommends figlet && rm -rf /var/lib/apt/lists/*\n"
+        "RUN apt-get update && apt-get install -y --no-install-recommends figlet \\\n"
+        "    && rm -rf /var/lib/apt/lists/*\n"
     )
     assert not Path("/usr/bin/figlet").exists()  # the host does not have it
     sandbox = backend.create(load_task(task_dir))
