@@ -551,6 +551,8 @@ class EnvironmentBuilder:
         with self._key_lock(key), _file_lock(self.envs_dir / f"{key}.lock"):
             if (final / "env.json").is_file():
                 return BuiltEnvironment.load(final)
+            for stale in self.envs_dir.glob(f"{key}.building-*"):  # a build that died holding this lock
+                shutil.rmtree(stale, ignore_errors=True)
             staging = self.envs_dir / f"{key}.building-{uuid.uuid4().hex[:8]}"
             try:
                 self._build_into(staging, key, task, plan)

@@ -54,9 +54,14 @@ class SandboxCgroups:
         self.paths = {controller: Path(path) for controller, path in paths.items()}
 
     @classmethod
+    def planned(cls, name: str) -> SandboxCgroups:
+        """The groups `create(name, ...)` makes (not created yet), e.g. to record them first."""
+        return cls({controller: parent_dir(controller) / name for controller in CONTROLLERS})
+
+    @classmethod
     def create(cls, name: str, *, memory_bytes: int, pids_max: int, cpus: float) -> SandboxCgroups:
-        paths = {controller: parent_dir(controller) / name for controller in CONTROLLERS}
-        groups = cls(paths)
+        groups = cls.planned(name)
+        paths = groups.paths
         try:
             for path in paths.values():
                 path.mkdir(parents=True, exist_ok=False)

@@ -402,6 +402,7 @@ class LocalSandbox:
         try:
             sandbox._tests_manifest = manifest_of_sources(task)
             sandbox.state_path.mkdir(parents=True)
+            sandbox.cgroups = SandboxCgroups.planned(sandbox._id)  # recorded before they exist
             sandbox._write_meta()
             spec = task.environment
             sandbox.cgroups = SandboxCgroups.create(
