@@ -44,21 +44,19 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 import tarfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandbox_service.backends import _proc
+from sandbox_service.backends._proc import DEFAULT_PATH, HolderProcess, require_tool
 from sandbox_service.contracts import SandboxError, Task, UnsupportedEnvironment
 
 BUILDER_VERSION = "1"
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # Host top-level entries a sandbox sees (read-only); every other top-level entry of the host root
 # is masked (replaced by an empty directory, or by what the task's build put there).
@@ -92,7 +90,6 @@ BUILD_CAPABILITIES = (
     "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
     "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SYS_CHROOT", "CAP_AUDIT_WRITE", "CAP_SETFCAP",
 )  # fmt: skip
-HOLDER_SCRIPT = Path(__file__).resolve().parent / "backends" / "_holder.py"
 # How the host stands in for a base image: pip may install into the system Python as it can in the
 # official python images (Debian marks its Python externally managed), and python bases get the
 # `python` command those images have.
@@ -517,9 +514,9 @@ class EnvironmentBuilder:
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._masked = host_masked_top_level()
-        self._bwrap = _require_tool("bwrap")
-        self._nsenter = _require_tool("nsenter")
-        self._unshare = _require_tool("unshare")
+        self._bwrap = require_tool("bwrap")
+        self._nsenter = require_tool("nsenter")
+        self._unshare = require_tool("unshare")
 
     def cache_key(self, task: Task, plan: BuildPlan) -> str:
         digest = hashlib.sha256()
@@ -579,7 +576,7 @@ class EnvironmentBuilder:
             if is_dir:
                 (staging / "tops" / name).mkdir()
         private = {"work": workdir, **PRIVATE_DIRS}
-        holder = _Holder.start(self._unshare, _build_mounts(staging))
+        holder = HolderProcess.start(self._unshare, _build_mounts(staging))
         log = _proc.BoundedBuffer(self.log_bytes // 2, self.log_bytes // 2)
         deadline = time.monotonic() + self.build_timeout_sec
         try:
@@ -785,70 +782,3 @@ class _file_lock:
     def __exit__(self, *exc):
         fcntl.flock(self.handle, fcntl.LOCK_UN)
         self.handle.close()
-
-
-class _Holder:
-    """A running `_holder.py` in its own mount namespace; `stop()` ends it (and its mounts)."""
-
-    def __init__(self, proc: subprocess.Popen, reply: dict):
-        self.proc = proc
-        self.pid: int = reply["pid"]
-        self.child: dict = reply.get("child") or {}
-
-    @classmethod
-    def start(cls, unshare: str, ops: Sequence[dict], spawn: dict | None = None) -> _Holder:
-        config = json.dumps({"ops": list(ops), "spawn": spawn})
-        proc = subprocess.Popen(
-            [
-                unshare,
-                "--mount",
-                "--propagation",
-                "private",
-                "--",
-                sys.executable,
-                "-I",
-                str(HOLDER_SCRIPT),
-                config,
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env={"PATH": DEFAULT_PATH},
-        )
-        line = proc.stdout.readline()
-        try:
-            reply = json.loads(line.decode() or "{}")
-        except json.JSONDecodeError:
-            reply = {}
-        if not reply.get("ok"):
-            proc.stdin.close()
-            proc.wait()
-            stderr = proc.stderr.read().decode(errors="replace")[-2000:]
-            raise SandboxError(
-                f"sandbox holder failed: {reply.get('error') or line.decode(errors='replace')} {stderr}"
-            )
-        return cls(proc, reply)
-
-    def stop(self) -> None:
-        if self.proc.stdin and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream:
-                stream.close()
-
-
-def _require_tool(name: str) -> str:
-    path = shutil.which(name, path=DEFAULT_PATH)
-    if path is None:
-        raise SandboxError(
-            f"the local sandbox backend needs `{name}` on the host (apt-get install bubblewrap util-linux)"
-        )
-    return path

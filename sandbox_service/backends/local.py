@@ -78,6 +78,7 @@ from pathlib import Path
 
 from sandbox_service.backends import _proc
 from sandbox_service.backends._cgroup import SandboxCgroups, remove_parents_if_empty
+from sandbox_service.backends._proc import DEFAULT_PATH, HOLDER_SCRIPT, HolderProcess, require_tool
 from sandbox_service.contracts import (
     ExecResult,
     FailureCause,
@@ -89,13 +90,9 @@ from sandbox_service.contracts import (
     VerifierReport,
 )
 from sandbox_service.envbuild import (
-    DEFAULT_PATH,
-    HOLDER_SCRIPT,
     PRIVATE_DIRS,
     BuiltEnvironment,
     EnvironmentBuilder,
-    _Holder,
-    _require_tool,
     check_environment,
     host_masked_top_level,
 )
@@ -168,7 +165,7 @@ class LocalBackend:
         self.builder = EnvironmentBuilder(
             self.cache_dir, network=build_network, build_timeout_sec=build_timeout_sec
         )
-        self.tools = {name: _require_tool(name) for name in ("bwrap", "nsenter", "setpriv", "unshare")}
+        self.tools = {name: require_tool(name) for name in ("bwrap", "nsenter", "setpriv", "unshare")}
         self.masked_top_level = host_masked_top_level()
         self._sandboxes: dict[str, LocalSandbox] = {}
         self._lock = threading.Lock()
@@ -288,7 +285,7 @@ class LocalSandbox:
         self._lock = threading.Lock()
         self._active_execs = 0
         self._idle = threading.Condition(self._lock)
-        self._holder: _Holder | None = None
+        self._holder: HolderProcess | None = None
         self.cgroups: SandboxCgroups | None = None
         self.init_pid: int | None = None
         self._init_start: int | None = None
@@ -425,7 +422,9 @@ class LocalSandbox:
                 "gid": uid,
                 "cgroup_procs": sandbox.cgroups.procs_files,
             }
-            sandbox._holder = _Holder.start(backend.tools["unshare"], sandbox._holder_ops(toolchain), spawn)
+            sandbox._holder = HolderProcess.start(
+                backend.tools["unshare"], sandbox._holder_ops(toolchain), spawn
+            )
             sandbox.init_pid = sandbox._holder.child["child-pid"]
             sandbox._init_start = _proc.pid_start_time(sandbox.init_pid)
             sandbox._write_meta()
