@@ -138,6 +138,9 @@ class LocalBackend:
     the verifier toolchain (`verifier-toolchain/`, created by `python -m sandbox_service.verifier
     --setup`). `allow_internet=False` keeps every sandbox off the network whatever its task says;
     `build_network` lets Dockerfile RUN steps reach package registries.
+
+    Needs root on a host with cgroup v1 memory/pids/freezer/cpu controllers, bubblewrap >= 0.8 and
+    util-linux (nsenter, setpriv, unshare); `send_keys` needs tmux in the environment.
     """
 
     def __init__(
@@ -168,6 +171,7 @@ class LocalBackend:
         self.tools = {name: require_tool(name) for name in ("bwrap", "nsenter", "setpriv", "unshare")}
         self.masked_top_level = host_masked_top_level()
         self._sandboxes: dict[str, LocalSandbox] = {}
+        self._creating: dict[str, LocalSandbox] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._watchdog = threading.Thread(
@@ -190,9 +194,18 @@ class LocalBackend:
             toolchain = Toolchain.at(self.toolchain_dir)
         except ToolchainMissing as error:
             raise SandboxError(str(error)) from error
-        sandbox = LocalSandbox._start(self, task, environment, toolchain, run_id, self._allocate_uid())
+        sandbox = LocalSandbox(self, task, environment, run_id, self._allocate_uid())
         with self._lock:
-            self._sandboxes[sandbox.sandbox_id] = sandbox
+            self._creating[sandbox.sandbox_id] = sandbox
+        launched = False
+        try:
+            sandbox._launch(toolchain)
+            launched = True
+        finally:
+            with self._lock:
+                del self._creating[sandbox.sandbox_id]
+                if launched:
+                    self._sandboxes[sandbox.sandbox_id] = sandbox
         return sandbox
 
     def live_sandboxes(self, run_id: str | None = None) -> list[str]:
@@ -204,7 +217,12 @@ class LocalBackend:
         ]
 
     def reap(self, run_id: str | None = None) -> list[str]:
-        """Kill and remove every sandbox left behind (of `run_id`, or all); return their ids."""
+        """Kill and remove the sandboxes left behind (of `run_id`, or all); return their ids.
+
+        That is every sandbox this backend created and has not closed, and every sandbox under this
+        cache dir whose owning process is gone. Sandboxes of another live process sharing the cache
+        dir (their holder is alive) and sandboxes still being created here are left alone.
+        """
         reaped = []
         for meta in self._state_records():
             if run_id is not None and meta.get("run_id") != run_id:
@@ -212,8 +230,11 @@ class LocalBackend:
             sandbox_id = meta["sandbox_id"]
             with self._lock:
                 sandbox = self._sandboxes.get(sandbox_id)
+                creating = sandbox_id in self._creating
             if sandbox is not None:
                 sandbox.close()
+            elif creating or _holder_alive(meta):
+                continue
             else:
                 _reap_record(self.state_dir / sandbox_id, meta)
             reaped.append(sandbox_id)
@@ -242,7 +263,7 @@ class LocalBackend:
 
     def _allocate_uid(self) -> int:
         with self._lock:
-            used = {s.uid for s in self._sandboxes.values()}
+            used = {s.uid for s in (*self._sandboxes.values(), *self._creating.values())}
         while True:
             uid = UID_BASE + random.randrange(UID_SPAN)
             if uid not in used:
@@ -385,56 +406,40 @@ class LocalSandbox:
 
     # -- lifecycle internals ------------------------------------------------------------------------
 
-    @classmethod
-    def _start(
-        cls,
-        backend: LocalBackend,
-        task: Task,
-        environment: BuiltEnvironment,
-        toolchain: Toolchain,
-        run_id: str,
-        uid: int,
-    ) -> LocalSandbox:
-        sandbox = cls(backend, task, environment, run_id, uid)
+    def _launch(self, toolchain: Toolchain) -> None:
+        """Record, limit and start the sandbox; on any failure undo everything and re-raise."""
+        task, backend = self._task, self._backend
         try:
-            sandbox._tests_manifest = manifest_of_sources(task)
-            sandbox.state_path.mkdir(parents=True)
-            sandbox.cgroups = SandboxCgroups.planned(sandbox._id)  # recorded before they exist
-            sandbox._write_meta()
+            self._tests_manifest = manifest_of_sources(task)
+            self.state_path.mkdir(parents=True)
+            self.cgroups = SandboxCgroups.planned(self._id)  # recorded before they exist
+            self._write_meta()
             spec = task.environment
-            sandbox.cgroups = SandboxCgroups.create(
-                sandbox._id, memory_bytes=spec.memory_mb << 20, pids_max=backend.pids_max, cpus=spec.cpus
+            self.cgroups = SandboxCgroups.create(
+                self._id, memory_bytes=spec.memory_mb << 20, pids_max=backend.pids_max, cpus=spec.cpus
             )
-            sandbox._write_meta()
+            init_command = "echo ready >&{ready_fd}; exec {ready_fd}>&-; exec /bin/sleep infinity"
             spawn = {
                 "argv": [
                     backend.tools["bwrap"],
-                    *sandbox._bwrap_args(verifier=False),
-                    "--info-fd",
-                    "{info_fd}",
-                    "--",
-                    "/bin/sh",
-                    "-c",
-                    "echo ready >&{ready_fd}; exec {ready_fd}>&-; exec /bin/sleep infinity",
+                    *self._bwrap_args(verifier=False),
+                    *("--info-fd", "{info_fd}", "--", "/bin/sh", "-c", init_command),
                 ],
-                "env": sandbox.env,
-                "uid": uid,
-                "gid": uid,
-                "cgroup_procs": sandbox.cgroups.procs_files,
+                "env": self.env,
+                "uid": self.uid,
+                "gid": self.uid,
+                "cgroup_procs": self.cgroups.procs_files,
             }
-            sandbox._holder = HolderProcess.start(
-                backend.tools["unshare"], sandbox._holder_ops(toolchain), spawn
-            )
-            sandbox.init_pid = sandbox._holder.child["child-pid"]
-            sandbox._init_start = _proc.pid_start_time(sandbox.init_pid)
-            sandbox._write_meta()
+            self._holder = HolderProcess.start(backend.tools["unshare"], self._holder_ops(toolchain), spawn)
+            self.init_pid = self._holder.child["child-pid"]
+            self._init_start = _proc.pid_start_time(self.init_pid)
+            self._write_meta()
         except BaseException:
-            sandbox._release()
+            self._release()
             raise
-        sandbox.created_at = time.monotonic()  # deadlines count from a running sandbox, not the build
-        sandbox.agent_deadline = sandbox.created_at + task.limits.agent_timeout_sec
-        sandbox.total_deadline = sandbox.created_at + task.limits.total_timeout_sec
-        return sandbox
+        self.created_at = time.monotonic()  # deadlines count from a running sandbox, not the build
+        self.agent_deadline = self.created_at + task.limits.agent_timeout_sec
+        self.total_deadline = self.created_at + task.limits.total_timeout_sec
 
     def _write_meta(self) -> None:
         holder = self._holder
@@ -800,6 +805,12 @@ def _make_world_readable(root: Path) -> None:
             continue
         mode = path.stat().st_mode
         path.chmod(mode | (0o555 if path.is_dir() else 0o444))
+
+
+def _holder_alive(meta: Mapping) -> bool:
+    """Whether the sandbox's holder (and so its owning service process) is still running."""
+    start = meta.get("holder_start")
+    return start is not None and _proc.pid_start_time(meta.get("holder_pid")) == start
 
 
 def _reap_record(state_path: Path, meta: Mapping) -> None:

@@ -251,6 +251,8 @@ def test_reap_cleans_up_after_a_crashed_owner(backend, backend_cache, toolchain_
     while processes_of_uid(record["uid"]) and time.monotonic() < deadline:
         time.sleep(0.1)  # the holder saw EOF and killed the sandbox's processes by itself
     assert processes_of_uid(record["uid"]) == []
+    while Path(f"/proc/{record['holder']}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # the holder exits once the sandbox is dead
     assert backend.live_sandboxes("crashed-run") == [record["id"]]  # its state and cgroups remain
     assert all(Path(path).exists() for path in record["cgroups"].values())
     assert backend.reap("crashed-run") == [record["id"]]
@@ -307,3 +309,15 @@ def test_apt_get_install_at_build_time_is_usable_in_the_sandbox(backend, tmp_pat
     finally:
         sandbox.close()
     assert not Path("/usr/bin/figlet").exists()
+
+
+def test_reap_leaves_sandboxes_of_another_live_service_alone(backend, backend_cache, toolchain_dir, hello_task):
+    other_service = LocalBackend(cache_dir=backend_cache, toolchain_dir=toolchain_dir)  # same cache dir
+    theirs = other_service.create(hello_task, run_id="shared-run")
+    try:
+        assert theirs.sandbox_id in backend.live_sandboxes("shared-run")
+        assert backend.reap("shared-run") == []  # its holder is alive: it is not left behind
+        assert theirs.exec("echo untouched", 30).stdout == "untouched\n"
+    finally:
+        other_service.close()
+    assert_sandbox_gone(theirs)
