@@ -311,7 +311,9 @@ def test_apt_get_install_at_build_time_is_usable_in_the_sandbox(backend, tmp_pat
     assert not Path("/usr/bin/figlet").exists()
 
 
-def test_reap_leaves_sandboxes_of_another_live_service_alone(backend, backend_cache, toolchain_dir, hello_task):
+def test_reap_leaves_sandboxes_of_another_live_service_alone(
+    backend, backend_cache, toolchain_dir, hello_task
+):
     other_service = LocalBackend(cache_dir=backend_cache, toolchain_dir=toolchain_dir)  # same cache dir
     theirs = other_service.create(hello_task, run_id="shared-run")
     try:
