@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sandbox_service.contracts import FailureCause, Sandbox, Task, VerifierReport
+from sandbox_service.contracts import FailureCause, Sandbox, SandboxDeadlineExpired, Task, VerifierReport
 from t1jax.agent import prompts
 from t1jax.agent.chat_template import (
     IM_END,
@@ -421,6 +421,8 @@ class _Trial:
             started = time.monotonic()
             try:
                 output = self.terminal.run(command.command, duration)
+            except SandboxDeadlineExpired as expired:  # the backend enforces the task's deadlines too
+                raise _TrialEnded(TrialStatus.AGENT_TIMEOUT, f"sandbox: {expired}") from None
             except Exception as error:
                 raise _TrialEnded(
                     TrialStatus.ERROR, f"sandbox failed running a command: {type(error).__name__}: {error}"

@@ -31,7 +31,8 @@ TOOLS = (
             "properties": {
                 "command": {
                     "type": "string",
-                    "description": "The command line to run; empty to only wait for more output.",
+                    "description": "The command line to run; empty to only wait for more output; a "
+                    "single key name such as C-c (interrupt) or C-d is sent as that key.",
                 },
                 "duration": {
                     "type": "number",

@@ -4,8 +4,10 @@ Two drivers behind one `TerminalDriver` protocol:
 
 - `TmuxTerminal` (default, Terminus-2 semantics): types the command plus Enter into the
   sandbox's persistent tmux session with `Sandbox.send_keys`, waits `duration` seconds, returns
-  the new output. Shell state (cwd, variables, background jobs, an open REPL) persists between
-  commands, and a long command keeps running: the model may wait more with an empty command.
+  the new output. A command that is exactly one tmux key name (`C-c`, `C-d`, `Escape`, `Up`...)
+  is sent as that key, without Enter (the local backend's `send_keys` convention). Shell state
+  (cwd, variables, background jobs, an open REPL) persists between commands, and a long command
+  keeps running: the model may wait more with an empty command.
 - `ExecTerminal`: runs each command with `Sandbox.exec` under a deadline of `duration` seconds
   and reports stdout, stderr and the exit status. No state persists between commands; useful for
   backends without an interactive session.
@@ -26,6 +28,9 @@ from sandbox_service.contracts import Sandbox
 
 _ANSI_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_KEY_NAME = re.compile(
+    r"^(?:[CM]-[a-z]|Escape|Tab|Enter|Up|Down|Left|Right|Home|End|PageUp|PageDown|BSpace)$"
+)
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ class TmuxTerminal:
         self.max_bytes = max_bytes
 
     def run(self, command: str, duration_sec: float) -> CommandOutput:
-        keys = command + "\n" if command else ""
+        # A lone key name (C-c to interrupt, C-d, Escape, ...) is sent as that key, without Enter.
+        keys = command if _KEY_NAME.match(command) else (command + "\n" if command else "")
         read = self.sandbox.send_keys(keys, duration_sec)
         text, omitted = cap_text(sanitize_terminal_text(read.text), self.max_bytes, read.omitted_bytes)
         return CommandOutput(text=text, omitted_bytes=omitted, elapsed_sec=duration_sec)

@@ -45,3 +45,26 @@ def test_any_bytes_become_valid_capped_text(raw, max_bytes):
         assert omitted > 0 and len(capped.encode()) <= max_bytes + len(
             f"\n[... {omitted} bytes of output omitted ...]\n"
         )
+
+
+class _RecordingSandbox:
+    def __init__(self):
+        self.sent = []
+
+    def send_keys(self, keys, wait_sec):
+        from sandbox_service.contracts import TerminalRead
+
+        self.sent.append(keys)
+        return TerminalRead(text="x" * 50, omitted_bytes=7)
+
+
+def test_tmux_terminal_sends_enter_except_for_key_names():
+    from t1jax.agent.terminal import TmuxTerminal
+
+    sandbox = _RecordingSandbox()
+    terminal = TmuxTerminal(sandbox, max_bytes=20)
+    output = terminal.run("ls -la", 0.0)
+    terminal.run("C-c", 0.0)
+    terminal.run("", 0.0)
+    assert sandbox.sent == ["ls -la\n", "C-c", ""]
+    assert output.omitted_bytes == 30 + 7 and "[... 37 bytes of output omitted ...]" in output.text
