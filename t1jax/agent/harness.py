@@ -59,7 +59,7 @@ from t1jax.agent.chat_template import (
     render_pieces,
 )
 from t1jax.agent.parsing import ParsedReply, parse_reply
-from t1jax.agent.terminal import ExecTerminal, TerminalDriver, TmuxTerminal, cap_text
+from t1jax.agent.terminal import ExecTerminal, TerminalDriver, TmuxTerminal, cap_text, head_and_tail
 from t1jax.agent.tokenizer import ChatTokenizer
 from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult, Sampler, SamplingParams
 from t1jax.tito.types import (
@@ -115,6 +115,11 @@ class HarnessConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"HarnessConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.observation_reserve_tokens < 64:
+            raise ValueError(
+                f"HarnessConfig.observation_reserve_tokens must be >= 64 (room for the smallest "
+                f"observation), got {self.observation_reserve_tokens}"
+            )
         if self.min_turn_tokens > self.max_tokens_per_turn:
             raise ValueError(
                 f"HarnessConfig.min_turn_tokens ({self.min_turn_tokens}) exceeds "
@@ -158,8 +163,15 @@ def run_trial(
     sampling: SamplingParams,
     cancel_event: threading.Event | None = None,
 ) -> Trajectory:
-    """Run one trial; always returns a Trajectory (see the module docstring). Thread-safe with
-    respect to other trials: all state is local; `sampler` batches concurrent calls."""
+    """Run one trial; always returns a Trajectory (see the module docstring).
+
+    Thread-safe with respect to other trials (all state is local; `sampler` batches concurrent
+    calls). `sampling` supplies temperature / top-p / top-k and a base seed; per request the
+    harness sets `max_new_tokens` from its token budget (so `sampling.max_new_tokens` is not
+    used; `config.max_tokens_per_turn` bounds it), adds `<|im_end|>` and `<|endoftext|>` to the
+    stop ids, and derives a distinct seed from (seed, trial_id, request number). Request ids are
+    `f"{trial_id}/{n}"`, n = 1, 2, ...; setting `cancel_event` aborts the in-flight request and
+    ends the trial with status ABORTED."""
     return _Trial(task, sandbox, sampler, tokenizer, config, trial_id, sampling, cancel_event).run()
 
 
@@ -359,8 +371,14 @@ class _Trial:
         return turn
 
     def _abort_when_due(self, request_id: str, finished: threading.Event) -> None:
-        while not finished.wait(timeout=min(0.05, max(self._remaining_sec(), 0.0))):
-            if self.cancel_event.is_set() or self._remaining_sec() <= 0:
+        """Abort `request_id` when the caller cancels or the deadline passes, whichever first.
+        Waiting on the cancel event itself makes cancellation immediate; the 0.25 s slices only
+        bound how long this thread outlives a request that finished on its own."""
+        while not finished.is_set():
+            cancelled = self.cancel_event.wait(timeout=min(0.25, max(self._remaining_sec(), 0.0)))
+            if finished.is_set():
+                return
+            if cancelled or self._remaining_sec() <= 0:
                 try:
                     self.sampler.abort([request_id])
                 except Exception:  # best effort: generate will still return or raise on its own
@@ -475,7 +493,9 @@ class _Trial:
         budget = self.config.context_window - len(base) - room_after
         texts = list(observation.responses) if observation.role == "tool" else [observation.content]
         max_bytes = max(len(t.encode("utf-8")) for t in texts) if texts else 0
-        for _ in range(12):
+        for attempt in range(13):
+            if attempt == 12:  # last resort, a few tokens whatever the number of commands
+                texts = [f"[all {len(texts)} outputs omitted: no room left in the context window]"]
             message = (
                 Message("tool", responses=tuple(texts))
                 if observation.role == "tool"
@@ -558,39 +578,25 @@ class _Trial:
     def _compacted_prompt(self, summary: str, note: str, recent: str) -> tuple[np.ndarray | None, int, int]:
         """The new segment's prompt, shortening the recent output and then the summary until an
         action turn fits; returns (prompt or None, summary characters kept, output characters kept)."""
-        candidates = [(summary, recent), (summary, "")]
+        candidates = [(summary, len(summary), recent), (summary, len(summary), "")]
         size = len(summary.encode("utf-8"))
         while size > 64:
             size //= 2
-            candidates.append((cap_text(summary, size)[0], ""))
-        candidates.append(("", ""))
-        for kept_summary, kept_recent in candidates:
+            head, tail, omitted = head_and_tail(summary, size)
+            candidates.append(
+                (
+                    f"{head}\n[... {omitted} bytes of the summary omitted ...]\n{tail}",
+                    len(head) + len(tail),
+                    "",
+                )
+            )
+        candidates.append(("", 0, ""))
+        for kept_summary, kept_chars, kept_recent in candidates:
             prompt = self._encode_messages(
                 prompts.compacted_messages(
                     self.task.instruction, self.workdir, kept_summary, note, kept_recent
                 )
             )
             if self._action_budget(len(prompt)) >= self.config.min_turn_tokens:
-                kept = len(summary) if kept_summary == summary else _kept_chars(kept_summary)
-                return prompt, kept, len(kept_recent)
+                return prompt, kept_chars, len(kept_recent)
         return None, 0, 0
-
-
-def _kept_chars(capped: str) -> int:
-    """Characters of original text in a `cap_text` result (the omission note excluded)."""
-    head, sep, rest = capped.partition("\n[... ")
-    if not sep:
-        return len(capped)
-    _, _, tail = rest.partition(" ...]\n")
-    return len(head) + len(tail)
-
-
-def trial_budget_summary(config: HarnessConfig) -> str:
-    """One line describing the token budget, for logs."""
-    return (
-        f"context {config.context_window}, per turn <= {config.max_tokens_per_turn} "
-        f"(>= {config.min_turn_tokens}), "
-        f"summary {config.summary_max_tokens} reserved, observations <= {config.max_output_bytes} bytes, "
-        f"commands <= {config.max_command_duration_sec:g} s, {config.max_turns} turns, "
-        f"compaction {'on' if config.compaction else 'off'}"
-    )

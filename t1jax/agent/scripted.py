@@ -10,7 +10,10 @@ Its records are built to be checked, not to look like a model's:
   call index and the token's position;
 - routing row j (for every layer l) is `[j, call_index, l, l, ...]` (top_k entries): each row
   names the absolute position it was fed at and the call that recorded it, so a test can check
-  that every row of a stitched sample landed at the right index from the right turn.
+  that every row of a stitched sample landed at the right index from the right turn. These are
+  not valid expert ids; with `num_experts` set, rows are instead `expert_row(j, call_index, l)`:
+  k distinct ids in [0, num_experts), still a deterministic function of position, call and
+  layer, which a routing-replay forward pass accepts (for demos that train on scripted trials).
 
 Thread-safe; `delay_sec` makes each call take that long (polling for `abort`), so deadlines and
 cancellation can be exercised.
@@ -50,6 +53,12 @@ class PolicyCall:
 Policy = Callable[[PolicyCall], "str | Sequence[int]"]
 
 
+def expert_row(position: int, call_index: int, layer: int, top_k: int, num_experts: int) -> np.ndarray:
+    """k distinct expert ids for one (position, call, layer): a valid, checkable routing record."""
+    base = (position * 31 + call_index * 7 + layer * 13) % num_experts
+    return ((base + np.arange(top_k)) % num_experts).astype(np.int32)
+
+
 def logprob_for(call_index: int, position: int) -> float:
     return float(np.float32(-0.125 * (1 + (call_index * 3 + position) % 11)))
 
@@ -65,9 +74,15 @@ class ScriptedSampler:
         with_routing: bool = True,
         delay_sec: float = 0.0,
         policy_version: int = 0,
+        num_experts: int | None = None,
     ) -> None:
+        if num_experts is not None and not 0 < top_k <= num_experts:
+            raise ValueError(
+                f"ScriptedSampler: top_k = {top_k} needs 0 < top_k <= num_experts = {num_experts}"
+            )
         self.tokenizer, self.policy = tokenizer, policy
         self.num_layers, self.top_k, self.with_routing = num_layers, top_k, with_routing
+        self.num_experts = num_experts
         self.delay_sec = delay_sec
         self._version = policy_version
         self._lock = threading.Lock()
@@ -123,13 +138,7 @@ class ScriptedSampler:
         logprobs = np.asarray([logprob_for(call_index, k) for k in range(len(ids))], dtype=np.float32)
         routing = None
         if self.with_routing:
-            rows = len(prompt) + len(completion) - 1
-            routing = np.zeros((rows, self.num_layers, self.top_k), dtype=np.int32)
-            routing[:, :, 0] = np.arange(rows, dtype=np.int32)[:, None]
-            if self.top_k > 1:
-                routing[:, :, 1] = call_index
-            for k in range(2, self.top_k):
-                routing[:, :, k] = np.arange(self.num_layers, dtype=np.int32)[None, :]
+            routing = self._routing(len(prompt) + len(completion) - 1, call_index)
         return GenerateResult(
             request_id=request.request_id,
             prompt_ids=prompt,
@@ -140,6 +149,22 @@ class ScriptedSampler:
             finish_reason=finish,
             policy_version=version,
         )
+
+    def _routing(self, rows: int, call_index: int) -> np.ndarray:
+        routing = np.zeros((rows, self.num_layers, self.top_k), dtype=np.int32)
+        if self.num_experts is not None:
+            for position in range(rows):
+                for layer in range(self.num_layers):
+                    routing[position, layer] = expert_row(
+                        position, call_index, layer, self.top_k, self.num_experts
+                    )
+            return routing
+        routing[:, :, 0] = np.arange(rows, dtype=np.int32)[:, None]
+        if self.top_k > 1:
+            routing[:, :, 1] = call_index
+        for k in range(2, self.top_k):
+            routing[:, :, k] = np.arange(self.num_layers, dtype=np.int32)[None, :]
+        return routing
 
     def _wait_or_aborted(self, request_id: str) -> bool:
         deadline = time.monotonic() + self.delay_sec

@@ -59,18 +59,28 @@ def sanitize_terminal_text(text: str) -> str:
     return _CONTROL.sub(lambda m: "^" + chr((ord(m.group()) + 64) % 128), text)
 
 
-def cap_text(text: str, max_bytes: int, upstream_omitted: int = 0) -> tuple[str, int]:
-    """Keep the head and tail of `text` within `max_bytes` UTF-8 bytes (plus a note saying how much
-    was omitted, counting `upstream_omitted`); returns (text, total omitted bytes)."""
+def head_and_tail(text: str, max_bytes: int) -> tuple[str, str, int]:
+    """Split `text` into the longest head and tail of at most `max_bytes // 2` UTF-8 bytes each
+    (whole characters); returns (head, tail, bytes omitted between them). A text that fits is
+    returned whole as the head."""
     raw = text.encode("utf-8")
     if len(raw) <= max_bytes:
-        if upstream_omitted:
-            return text + f"\n[... {upstream_omitted} bytes of output omitted ...]", upstream_omitted
-        return text, 0
+        return text, "", 0
     half = max(max_bytes // 2, 0)
     head = raw[:half].decode("utf-8", errors="ignore")
     tail = raw[len(raw) - half :].decode("utf-8", errors="ignore") if half else ""
-    omitted = len(raw) - len(head.encode("utf-8")) - len(tail.encode("utf-8")) + upstream_omitted
+    return head, tail, len(raw) - len(head.encode("utf-8")) - len(tail.encode("utf-8"))
+
+
+def cap_text(text: str, max_bytes: int, upstream_omitted: int = 0) -> tuple[str, int]:
+    """Keep the head and tail of `text` within `max_bytes` UTF-8 bytes (plus a note saying how much
+    was omitted, counting `upstream_omitted`); returns (text, total omitted bytes)."""
+    head, tail, omitted = head_and_tail(text, max_bytes)
+    omitted += upstream_omitted
+    if not omitted:
+        return text, 0
+    if len(head) == len(text):
+        return f"{text}\n[... {omitted} bytes of output omitted ...]", omitted
     return f"{head}\n[... {omitted} bytes of output omitted ...]\n{tail}", omitted
 
 

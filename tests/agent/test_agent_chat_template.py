@@ -156,4 +156,3 @@ def check_append_only(messages, with_tools):
 
 def test_generation_prompt_is_the_assistant_header():
     assert "".join(p.text for p in generation_prompt_pieces()) == "<|im_start|>assistant\n"
-

@@ -350,3 +350,41 @@ def test_trial_metrics_report_compaction_outcomes(sandbox_for):
     assert metrics["compaction/failure_rate"] == pytest.approx(len(truncated.compactions) / events)
     assert 0 < metrics["compaction/summary_chars_kept_fraction"] <= 1
     assert metrics["agent/status_max_turns"] + metrics["agent/status_context_exhausted"] == 2
+
+
+def test_scripted_sampler_can_emit_valid_distinct_expert_ids(sandbox_for):
+    task, sandbox = sandbox_for()
+    sampler = ScriptedSampler(TOK, policies.solver(["ls"]), num_layers=3, top_k=4, num_experts=16)
+    trajectory, _ = run(task, sandbox, None, sampler=sampler)
+    (sample,) = assemble_trajectory(trajectory, 1.0, TOK).samples
+    assert sample.routing.shape == (len(sample.tokens) - 1, 3, 4)
+    assert sample.routing.min() >= 0 and sample.routing.max() < 16
+    assert all(len(set(row)) == 4 for row in sample.routing.reshape(-1, 4).tolist())
+    with pytest.raises(ValueError, match="top_k = 4 needs"):
+        ScriptedSampler(TOK, policies.complete, top_k=4, num_experts=2)
+
+
+def test_many_outputs_at_the_context_limit_still_leave_room_to_compact(sandbox_for):
+    task, sandbox = sandbox_for()
+
+    def policy(call):
+        if "context window is almost full" in call.last_user_text:
+            return "Summary: printed many sequences."
+        return "Many commands.\n\n" + "\n".join(policies.shell(f"seq 1 {200 + i}", 0.0) for i in range(12))
+
+    config = dataclasses.replace(COMPACTING, max_turns=4, max_tokens_per_turn=1024, max_output_bytes=3000)
+    trajectory, _ = run(task, sandbox, policy, config=config)
+    assert trajectory.status is TrialStatus.MAX_TURNS, trajectory.detail
+    assert trajectory.compactions and all(e.succeeded for e in trajectory.compactions)
+    assert all(len(t.prompt_ids) + len(t.completion_ids) <= config.context_window for t in trajectory.turns)
+
+
+def test_a_summary_too_long_for_the_new_prompt_is_shortened_and_measured(sandbox_for):
+    task, sandbox = sandbox_for()
+    config = dataclasses.replace(COMPACTING, summary_max_tokens=1400, max_tokens_per_turn=512, max_turns=3)
+    trajectory, _ = run(task, sandbox, policies.filler(summary_words=260), config=config)
+    (event, *_) = trajectory.compactions
+    assert event.succeeded and event.summary_tokens < config.summary_max_tokens
+    assert 0 < event.summary_chars_kept < event.summary_chars and event.recent_output_chars_kept == 0
+    new_prompt = TOK.decode(trajectory.segments[1].turns[0].prompt_ids)
+    assert "bytes of the summary omitted ...]" in new_prompt and "Next: continue." in new_prompt
