@@ -64,8 +64,8 @@ REPAIR_MAX_DROP = 16
 REPAIR_MAX_RETOKENIZED = 32
 
 BytesOf = Callable[[Sequence[int]], bytes]
-_PENDING = (-1, -1)  # the last position's row: supplied by the next turn, or unused at the end
-_PLACEHOLDER = (-2, -2)  # copied from the left neighbour (Eq. 14)
+_PENDING = -1  # the last position's row: supplied by the next turn, or unused at the end
+_PLACEHOLDER = -2  # copied from the left neighbour (Eq. 14)
 _ASCII_WHITESPACE = b" \t\n\r\x0b\x0c"
 
 
@@ -80,49 +80,79 @@ class Assembly:
 
 
 @dataclass
+class _Chunk:
+    """What one turn contributed to a stream: `full_ids[from_index:]` of that turn."""
+
+    turn_index: int
+    tokens: np.ndarray  # int32
+    loss_mask: np.ndarray  # int8
+    logprobs: np.ndarray  # float32
+    row_turn: np.ndarray  # int64: turn whose capture holds the row, or _PENDING / _PLACEHOLDER
+    row_index: np.ndarray  # int64: the row's index in that turn's full sequence
+    retokenized: np.ndarray  # bool
+
+
+@dataclass
 class _Stream:
-    """A stream under construction. `turn_base`/`stream_base`: the latest turn's full ids from
-    index `turn_base` on sit at stream positions from `stream_base` on."""
+    """A stream under construction, as one chunk per contributing turn. `turn_base` /
+    `stream_base`: the latest turn's full ids from index `turn_base` on sit at stream positions
+    from `stream_base` on."""
 
     segment_index: int
     fork_index: int
-    turn_indices: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    row_source: list[tuple[int, int]] = field(default_factory=list)
-    retokenized: list[bool] = field(default_factory=list)
-    context_drift: bool = False
+    chunks: list[_Chunk] = field(default_factory=list)
+    length: int = 0
     drift_start: int | None = None
+    context_drift: bool = False
     turn_base: int = 0
     stream_base: int = 0
     dropped_loss_by_turn: dict[int, int] = field(default_factory=dict)
 
     def append_turn(self, turn_index: int, turn: Turn, from_index: int, retokenized_count: int = 0) -> None:
-        """Append `turn.full_ids[from_index:]`; rows for every appended position except the last
-        come from this turn, and so does the row of the position just before them when pending."""
+        """Append `turn.full_ids[from_index:]`. Rows of every appended position except the last come
+        from this turn, and so does the row of the position just before them when still pending."""
         full = turn.full_ids
         num_prompt = len(turn.prompt_ids)
-        if self.row_source and self.row_source[-1] == _PENDING:
-            self.row_source[-1] = (turn_index, from_index - 1)
-        self.turn_indices.append(turn_index)
-        self.turn_base, self.stream_base = from_index, len(self.tokens)
-        for k in range(from_index, len(full)):
-            sampled = k >= num_prompt
-            self.tokens.append(int(full[k]))
-            self.loss_mask.append(1 if sampled else 0)
-            self.logprobs.append(float(turn.logprobs[k - num_prompt]) if sampled else 0.0)
-            self.row_source.append((turn_index, k) if k < len(full) - 1 else _PENDING)
-            self.retokenized.append(k - from_index < retokenized_count)
+        if self.chunks and self.chunks[-1].row_turn[-1] == _PENDING:
+            self.chunks[-1].row_turn[-1], self.chunks[-1].row_index[-1] = turn_index, from_index - 1
+        positions = np.arange(from_index, len(full))
+        sampled = positions >= num_prompt
+        logprobs = np.zeros(len(positions), np.float32)
+        logprobs[sampled] = turn.logprobs[positions[sampled] - num_prompt]
+        row_turn = np.full(len(positions), turn_index, np.int64)
+        if len(positions):
+            row_turn[-1] = _PENDING  # the last token is never fed in its own turn
+        self.turn_base, self.stream_base = from_index, self.length
+        self.chunks.append(
+            _Chunk(
+                turn_index,
+                full[from_index:].astype(np.int32),
+                sampled.astype(np.int8),
+                logprobs,
+                row_turn,
+                positions.astype(np.int64),
+                positions - from_index < retokenized_count,
+            )
+        )
+        self.length += len(positions)
         if self.context_drift and self.drift_start is None:
             self.drift_start = self.stream_base
 
     def truncate(self, length: int) -> int:
-        """Cut the stream to `length` positions; returns how many loss positions were removed."""
-        removed_loss = sum(self.loss_mask[length:])
-        for name in ("tokens", "loss_mask", "logprobs", "row_source", "retokenized"):
-            del getattr(self, name)[length:]
+        """Cut the stream to `length` >= the last chunk's start; returns the loss positions removed."""
+        last = self.chunks[-1]
+        keep = length - (self.length - len(last.tokens))
+        removed_loss = int(last.loss_mask[keep:].sum())
+        for name in ("tokens", "loss_mask", "logprobs", "row_turn", "row_index", "retokenized"):
+            setattr(last, name, getattr(last, name)[:keep])
+        self.length = length
         return removed_loss
+
+    def mark_last_row_placeholder(self) -> None:
+        self.chunks[-1].row_turn[-1] = _PLACEHOLDER
+
+    def concatenated(self, name: str) -> np.ndarray:
+        return np.concatenate([getattr(chunk, name) for chunk in self.chunks])
 
 
 def assemble_trajectory(trajectory: Trajectory, reward: float, tokenizer=None) -> Assembly:
@@ -178,7 +208,7 @@ def _assemble_segment(
             stream.append_turn(i, turns[i], 0)
     finished.append((stream, records))
     # A stream of fewer than two tokens (a one-token prompt and nothing sampled) predicts nothing.
-    samples = [_finish(trajectory, turns, s, recs, reward) for s, recs in finished if len(s.tokens) >= 2]
+    samples = [_finish(trajectory, turns, s, recs, reward) for s, recs in finished if s.length >= 2]
     return samples, [r for _, recs in finished for r in recs]
 
 
@@ -217,7 +247,7 @@ def _join(
         if completion_end is not None:
             # a_i's last token was never fed with this history: its row is copied from the left
             # neighbour, which `_finish` allows only when the next position carries no loss.
-            stream.row_source[-1] = _PLACEHOLDER
+            stream.mark_last_row_placeholder()
             stream.context_drift = True
             stream.append_turn(next_index, nxt, completion_end)
             return BoundaryRecord(
@@ -287,38 +317,28 @@ def _finish(
     records: list[BoundaryRecord],
     reward: float,
 ) -> Sample:
-    num_tokens = len(stream.tokens)
-    has_routing = turns[0].routing is not None
-    routing = None
-    placeholders = 0
-    if has_routing:
-        rows = []
-        for j, (turn_index, row) in enumerate(stream.row_source[:-1]):
-            if (turn_index, row) == _PLACEHOLDER:
-                if stream.loss_mask[j + 1] == 1 or not rows:
-                    raise RoutingAlignmentError(
-                        f"trial {trajectory.trial_id} segment {stream.segment_index}: the routing row of "
-                        f"position {j} has no capture and cannot be copied from its left neighbour, because "
-                        f"position {j + 1} carries loss (Eq. 14) or there is no neighbour"
-                    )
-                rows.append(rows[-1])
-                placeholders += 1
-            elif (turn_index, row) == _PENDING:
-                raise RoutingMissingError(f"trial {trajectory.trial_id}: no routing source for position {j}")
-            else:
-                rows.append(turns[turn_index].routing_row(row))
-        routing = np.stack(rows).astype(np.int32)
+    tokens = stream.concatenated("tokens")
+    loss_mask = stream.concatenated("loss_mask")
+    num_tokens = len(tokens)
+    where = f"trial {trajectory.trial_id} segment {stream.segment_index}"
+    routing, placeholders = None, 0
+    if turns[0].routing is not None:
+        routing, placeholders = _stitch_routing(
+            turns,
+            stream.concatenated("row_turn")[:-1],
+            stream.concatenated("row_index")[:-1],
+            loss_mask,
+            where,
+        )
         if len(routing) != num_tokens - 1:
-            raise RoutingAlignmentError(
-                f"trial {trajectory.trial_id}: {len(routing)} routing rows for {num_tokens} tokens"
-            )
+            raise RoutingAlignmentError(f"{where}: {len(routing)} routing rows for {num_tokens} tokens")
     case_counts = {case: sum(r.case is case for r in records) for case in BoundaryCase}
-    retokenized = sum(stream.retokenized)
+    retokenized = int(stream.concatenated("retokenized").sum())
     counts = AuditCounts(
         aligned=num_tokens - retokenized,
         retokenized=retokenized,
         placeholder=placeholders,
-        loss_tokens=sum(stream.loss_mask),
+        loss_tokens=int(loss_mask.sum()),
         masked_by_repair=sum(stream.dropped_loss_by_turn.values()),
         context_drift=0 if stream.drift_start is None else num_tokens - stream.drift_start,
         boundaries_exact=case_counts[BoundaryCase.EXACT],
@@ -326,11 +346,12 @@ def _finish(
         boundaries_text_fallback=case_counts[BoundaryCase.TEXT_FALLBACK],
         boundaries_forked=case_counts[BoundaryCase.FORK],
     )
-    sample_turns = [turns[i] for i in stream.turn_indices]
+    turn_indices = [chunk.turn_index for chunk in stream.chunks]
+    sample_turns = [turns[i] for i in turn_indices]
     sample = Sample(
-        tokens=np.asarray(stream.tokens, dtype=np.int32),
-        loss_mask=np.asarray(stream.loss_mask, dtype=np.int8),
-        sampler_logprobs=np.asarray(stream.logprobs, dtype=np.float32),
+        tokens=tokens,
+        loss_mask=loss_mask,
+        sampler_logprobs=stream.concatenated("logprobs"),
         routing=routing,
         reward=float(reward),
         task_id=trajectory.task_id,
@@ -342,12 +363,44 @@ def _finish(
     )
     provenance = SampleProvenance(
         turns=tuple(sample_turns),
-        masked_by_repair=tuple(stream.dropped_loss_by_turn.get(i, 0) for i in stream.turn_indices),
+        masked_by_repair=tuple(stream.dropped_loss_by_turn.get(i, 0) for i in turn_indices),
     )
     drift = audit_sample(sample, provenance)
     if drift:
-        raise TitoDriftError(
-            f"trial {trajectory.trial_id} segment {stream.segment_index}: {drift} loss positions differ "
-            f"from the sampler's records"
-        )
+        raise TitoDriftError(f"{where}: {drift} loss positions differ from the sampler's records")
     return sample
+
+
+def _stitch_routing(
+    turns: Sequence[Turn], row_turn: np.ndarray, row_index: np.ndarray, loss_mask: np.ndarray, where: str
+) -> tuple[np.ndarray, int]:
+    """Gather each stream row from its turn's capture; fill placeholders from the left (Eq. 14)."""
+    if np.any(row_turn == _PENDING):
+        position = int(np.nonzero(row_turn == _PENDING)[0][0])
+        raise RoutingMissingError(f"{where}: no routing source for position {position}")
+    layers_and_k = turns[0].routing.shape[1:]
+    routing = np.empty((len(row_turn), *layers_and_k), np.int32)
+    # Copy runs of consecutive rows from one turn as slices (about one run per chunk).
+    breaks = np.nonzero((row_turn[1:] != row_turn[:-1]) | (row_index[1:] != row_index[:-1] + 1))[0] + 1
+    starts = np.concatenate([[0], breaks]).astype(np.int64).tolist()
+    ends = np.concatenate([breaks, [len(row_turn)]]).astype(np.int64).tolist()
+    for start, end in zip(starts, ends, strict=True):
+        turn_index = int(row_turn[start])
+        if turn_index < 0:  # placeholders, filled below
+            continue
+        turn = turns[turn_index]
+        first = int(row_index[start])
+        for row in (first, first + end - start - 1):
+            turn.routing_row(row)  # raises RoutingMissingError naming the turn and the row
+        local = first - turn.routing_start
+        routing[start:end] = turn.routing[local : local + end - start]
+    placeholders = np.nonzero(row_turn == _PLACEHOLDER)[0]
+    for position in placeholders.tolist():
+        if position == 0 or loss_mask[position + 1] == 1:
+            raise RoutingAlignmentError(
+                f"{where}: the routing row of position {position} has no capture and cannot be copied from "
+                f"its left neighbour, because position {position + 1} carries loss (Eq. 14) or there is no "
+                f"neighbour"
+            )
+        routing[position] = routing[position - 1]
+    return routing, len(placeholders)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from t1jax.tito.types import AuditCounts, RoutingMissingError, Sample, Turn
+from t1jax.tito.types import AuditCounts, Sample, Turn
 
 
 class TitoDriftError(RuntimeError):
@@ -33,34 +33,42 @@ class SampleProvenance:
     masked_by_repair: tuple[int, ...]
 
 
-def _expected_loss_region(provenance: SampleProvenance, with_routing: bool):
+def _expected_loss_region(provenance: SampleProvenance, layers_and_k: tuple[int, ...] | None):
+    """Concatenated sampled tokens, logprobs and feeding routing rows the loss region must hold,
+    plus which of those rows the turns actually recorded."""
     tokens, logprobs, rows, row_known = [], [], [], []
     for turn, masked in zip(provenance.turns, provenance.masked_by_repair, strict=True):
         keep = len(turn.completion_ids) - masked
-        num_prompt = len(turn.prompt_ids)
         tokens.append(np.asarray(turn.completion_ids[:keep], dtype=np.int64))
         logprobs.append(np.asarray(turn.logprobs[:keep], dtype=np.float32))
-        if with_routing:
-            for k in range(keep):
-                try:
-                    rows.append(turn.routing_row(num_prompt + k - 1))
-                    row_known.append(True)
-                except RoutingMissingError:
-                    rows.append(None)
-                    row_known.append(False)
+        if layers_and_k is None:
+            continue
+        # Completion token k is predicted from input position P + k - 1 of the turn's own stream.
+        first = len(turn.prompt_ids) - 1 - turn.routing_start
+        recorded = 0 if turn.routing is None else len(turn.routing)
+        local = np.arange(first, first + keep)
+        known = (local >= 0) & (local < recorded)
+        block = np.zeros((keep, *layers_and_k), np.int32)
+        if known.any():
+            block[known] = turn.routing[local[known]]
+        rows.append(block)
+        row_known.append(known)
+    concat = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
+    if layers_and_k is None:
+        return concat(tokens, np.int64), concat(logprobs, np.float32), None, None
     return (
-        np.concatenate(tokens) if tokens else np.zeros(0, np.int64),
-        np.concatenate(logprobs) if logprobs else np.zeros(0, np.float32),
-        rows,
-        row_known,
+        concat(tokens, np.int64),
+        concat(logprobs, np.float32),
+        np.concatenate(rows) if rows else np.zeros((0, *layers_and_k), np.int32),
+        concat(row_known, bool),
     )
 
 
 def audit_sample(sample: Sample, provenance: SampleProvenance) -> int:
     """Number of drifted loss positions of `sample` (Eq. 11 numerator); 0 when exact."""
-    with_routing = sample.routing is not None
+    layers_and_k = None if sample.routing is None else sample.routing.shape[1:]
     expected_tokens, expected_logprobs, expected_rows, row_known = _expected_loss_region(
-        provenance, with_routing
+        provenance, layers_and_k
     )
     positions = np.nonzero(sample.loss_mask)[0]
     n = min(len(positions), len(expected_tokens))
@@ -71,10 +79,10 @@ def audit_sample(sample: Sample, provenance: SampleProvenance) -> int:
     mismatch = sample.tokens[positions].astype(np.int64) != expected_tokens[:n]
     actual_bits = sample.sampler_logprobs[positions].astype(np.float32).view(np.uint32)
     mismatch |= actual_bits != expected_logprobs[:n].view(np.uint32)
-    if with_routing:
-        for m, j in enumerate(positions):
-            if not row_known[m] or j == 0 or not np.array_equal(sample.routing[j - 1], expected_rows[m]):
-                mismatch[m] = True
+    if layers_and_k is not None:
+        feeding = sample.routing[np.maximum(positions - 1, 0)].reshape(n, -1)
+        mismatch |= ~row_known[:n] | (positions == 0)
+        mismatch |= np.any(feeding != expected_rows[:n].reshape(n, -1), axis=1)
     return int(drift + np.sum(mismatch))
 
 

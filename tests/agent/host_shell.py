@@ -87,13 +87,24 @@ class HostShellSandbox:
                 self._buffer += chunk
 
     def send_keys(self, keys: str, wait_sec: float) -> TerminalRead:
+        """Type `keys`, wait `wait_sec`, and (unlike a real terminal, so that tests do not depend on
+        machine load) also wait up to 10 s until the shell has run them: a marker printed after
+        the keys must appear; it is removed from the output."""
         self.commands.append(keys)
+        marker = f"\x1e{len(self.commands)}\x1e".encode()
         if keys:
             self._shell.stdin.write(keys.encode("utf-8", errors="surrogateescape"))
+            self._shell.stdin.write(f"printf '\\036{len(self.commands)}\\036'\n".encode())
             self._shell.stdin.flush()
         time.sleep(wait_sec)
+        deadline = time.monotonic() + 10.0
+        while keys and time.monotonic() < deadline:
+            with self._lock:
+                if marker in self._buffer[self._read_upto :]:
+                    break
+            time.sleep(0.01)
         with self._lock:
-            new = bytes(self._buffer[self._read_upto :])
+            new = bytes(self._buffer[self._read_upto :]).replace(marker, b"")
             self._read_upto = len(self._buffer)
         return TerminalRead(text=new.decode("utf-8", errors="surrogateescape"))
 

@@ -22,15 +22,15 @@ def previous_replies(call: PolicyCall) -> int:
     return call.prompt_text.count("<|im_start|>assistant\n") - 1
 
 
-def solver(steps: list[str]):
-    """Runs `steps` one per turn, then calls task_complete, then confirms it."""
+def solver(steps: list[str], duration: float = 0.1):
+    """Runs `steps` one per turn (waiting `duration` each), then calls task_complete, then confirms it."""
 
     def policy(call: PolicyCall) -> str:
         done = previous_replies(call)
         if "Are you sure" in call.last_user_text:
             return "Yes, it is done.\n\n" + complete()
         if done < len(steps):
-            return f"Step {done + 1}: running the next command.\n\n" + shell(steps[done])
+            return f"Step {done + 1}: running the next command.\n\n" + shell(steps[done], duration)
         return "The task should be complete now.\n\n" + complete()
 
     return policy

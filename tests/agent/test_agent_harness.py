@@ -370,9 +370,12 @@ def test_many_outputs_at_the_context_limit_still_leave_room_to_compact(sandbox_f
     def policy(call):
         if "context window is almost full" in call.last_user_text:
             return "Summary: printed many sequences."
-        return "Many commands.\n\n" + "\n".join(policies.shell(f"seq 1 {200 + i}", 0.0) for i in range(12))
+        return "Many commands.\n\n" + "\n".join(policies.shell(f"seq 1 {200 + i}", 5.0) for i in range(12))
 
-    config = dataclasses.replace(COMPACTING, max_turns=4, max_tokens_per_turn=1024, max_output_bytes=3000)
+    # exec mode: each output is complete when the command returns, so the test is deterministic
+    config = dataclasses.replace(
+        COMPACTING, max_turns=4, max_tokens_per_turn=1024, max_output_bytes=3000, terminal=TerminalMode.EXEC
+    )
     trajectory, _ = run(task, sandbox, policy, config=config)
     assert trajectory.status is TrialStatus.MAX_TURNS, trajectory.detail
     assert trajectory.compactions and all(e.succeeded for e in trajectory.compactions)

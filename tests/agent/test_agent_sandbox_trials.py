@@ -70,7 +70,8 @@ def trial(backend, task_name: str, policy, config=CONFIG, trial_id="trial"):
 
 
 def test_scripted_policy_solves_a_task_in_the_sandbox(backend):
-    policy = policies.solver(["echo 'Hello, world!' > /app/hello.txt", "cat /app/hello.txt"])
+    # 1 s waits: the test reads the terminal output, which a loaded machine may print late.
+    policy = policies.solver(["echo 'Hello, world!' > /app/hello.txt", "cat /app/hello.txt"], duration=1.0)
     trajectory, assembly, reward = trial(backend, "hello-world", policy)
     assert trajectory.status is TrialStatus.COMPLETED, trajectory.detail
     assert reward == 1.0 and trajectory.verifier_report.total == 2

@@ -511,4 +511,3 @@ def test_audit_metrics_are_flat_and_sum_over_samples():
     assert metrics["tito/samples"] == 2.0
     assert metrics["tito/loss_tokens"] == 2.0 * len(first.completion_ids)
     assert metrics["tito/drift_in_loss_region"] == 0.0 and metrics["tito/drift_rate"] == 0.0
-
