@@ -93,6 +93,11 @@ BUILD_CAPABILITIES = (
     "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SYS_CHROOT", "CAP_AUDIT_WRITE", "CAP_SETFCAP",
 )  # fmt: skip
 HOLDER_SCRIPT = Path(__file__).resolve().parent / "backends" / "_holder.py"
+# How the host stands in for a base image: pip may install into the system Python as it can in the
+# official python images (Debian marks its Python externally managed), and python bases get the
+# `python` command those images have.
+STAND_IN_ENV = (("PIP_BREAK_SYSTEM_PACKAGES", "1"),)
+PYTHON_BASE_COMMANDS = (("python", "/usr/bin/python3"), ("pip", "/usr/bin/pip3"))
 
 
 class EnvironmentBuildError(SandboxError):
@@ -179,7 +184,7 @@ def check_environment(task: Task) -> BuildPlan:
         reason = _base_image_problem(spec.docker_image)
         if reason:
             raise UnsupportedEnvironment(task.task_id, f"[environment].docker_image: {reason}")
-        plan = BuildPlan(base_image=spec.docker_image, steps=(), env=(), workdir="/")
+        plan = BuildPlan(base_image=spec.docker_image, steps=(), env=STAND_IN_ENV, workdir="/")
     else:
         raise UnsupportedEnvironment(task.task_id, "no Dockerfile and no docker_image")
     workdir = spec.workdir
@@ -249,9 +254,9 @@ def parse_dockerfile(
             continue
         if base is None:
             raise reject(line, f"{instruction} before FROM")
-        variables = {**args, **env}
+        variables = {"PATH": DEFAULT_PATH, **args, **env}  # the base image defines PATH
         if instruction == "ENV":
-            env.update(_parse_env(rest, variables, lambda reason: reject(line, reason)))
+            env.update(_parse_env(rest, variables, lambda reason, at=line: reject(at, reason)))
         elif instruction == "WORKDIR":
             path = _substitute(_unquote(rest.strip()), variables)
             workdir = os.path.normpath(path if path.startswith("/") else os.path.join(workdir, path))
@@ -265,7 +270,11 @@ def parse_dockerfile(
     if base is None:
         raise UnsupportedEnvironment(task_id, f"{where}: no FROM instruction")
     return BuildPlan(
-        base_image=base, steps=tuple(steps), env=tuple(env.items()), workdir=workdir, dockerfile=dockerfile
+        base_image=base,
+        steps=tuple(steps),
+        env=(*STAND_IN_ENV, *((k, v) for k, v in env.items() if k not in dict(STAND_IN_ENV))),
+        workdir=workdir,
+        dockerfile=dockerfile,
     )
 
 
@@ -373,7 +382,7 @@ def _parse_copy(instruction, rest, line, variables, workdir, context_dir, reject
             if real != context_dir and context_dir not in real.parents:
                 raise reject(line, f"{instruction} source {source!r} is outside the build context")
             resolved.append(real)
-    trailing = destination.endswith("/")
+    trailing = destination.endswith(("/", "/.")) or destination in (".", "..")
     destination = os.path.normpath(
         destination if destination.startswith("/") else os.path.join(workdir, destination)
     )
@@ -577,6 +586,8 @@ class EnvironmentBuilder:
             resolve.ensure_dir(workdir)
             for mount_point in (workdir, *PRIVATE_DIRS.values(), "/tests"):  # sandboxes bind onto these
                 resolve.mount_point(mount_point).mkdir(parents=True, exist_ok=True)
+            if _is_python_base(plan.base_image):
+                _add_python_commands(merged)
             for step in plan.steps:
                 if isinstance(step, WorkdirStep):
                     resolve.ensure_dir(step.path)
@@ -626,7 +637,13 @@ class EnvironmentBuilder:
         for name, path in sorted(private.items(), key=lambda item: item[1].count("/")):
             args += ["--bind", str(staging / "seeds" / name), path]
         args += ["--chdir", step.workdir, "--", *step.argv]
-        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": "build", **dict(step.env)}
+        env = {
+            "PATH": DEFAULT_PATH,
+            "HOME": "/root",
+            "HOSTNAME": "build",
+            **dict(STAND_IN_ENV),
+            **dict(step.env),
+        }
         result = _proc.run_captured(
             args,
             env=env,
@@ -640,7 +657,8 @@ class EnvironmentBuilder:
             why = "timed out" if result.timed_out else f"exited {result.exit_code}"
             tail = (result.stdout + result.stderr)[-2000:]
             raise EnvironmentBuildError(
-                f"task {task.task_id!r}: Dockerfile line {step.line} RUN {shlex.join(step.argv)[:200]} {why}:\n{tail}"
+                f"task {task.task_id!r}: Dockerfile line {step.line} "
+                f"RUN {shlex.join(step.argv)[:200]} {why}:\n{tail}"
             )
 
 
@@ -676,6 +694,19 @@ class _PathMapper:
         return host
 
 
+def _is_python_base(image: str) -> bool:
+    repository = image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0].lower()
+    return repository == "python" or repository.startswith("python-")
+
+
+def _add_python_commands(merged: Path) -> None:
+    for name, target in PYTHON_BASE_COMMANDS:
+        if Path(target).exists() and not any(Path(d, name).exists() for d in ("/usr/local/bin", "/usr/bin")):
+            link = merged / "usr" / "local" / "bin" / name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(target)
+
+
 def _copy_step(step: CopyStep, resolve: _PathMapper) -> None:
     into_directory = step.destination.endswith("/")
     for source in step.sources:
@@ -704,14 +735,17 @@ def _copy_step(step: CopyStep, resolve: _PathMapper) -> None:
 
 def _build_mounts(staging: Path) -> list[dict]:
     return [
-        {"op": "mount", "source": "t1jax-build-staging", "target": "/run", "fstype": "tmpfs", "options": "mode=0755,size=16m"},
+        {"op": "mount", "source": "t1jax-build-staging", "target": "/run", "fstype": "tmpfs",
+         "options": "mode=0755,size=16m"},
         {"op": "mkdir", "path": "/run/t1jax/empty", "mode": 0o555},
         {"op": "mkdir", "path": "/run/t1jax/host", "mode": 0o755},
         {"op": "mkdir", "path": "/run/t1jax/root", "mode": 0o755},
         # The host root as its own (overlay) filesystem, so the layer below never overlaps it.
-        {"op": "mount", "source": "t1jax-host", "target": "/run/t1jax/host", "fstype": "overlay", "readonly": True,
+        {"op": "mount", "source": "t1jax-host", "target": "/run/t1jax/host", "fstype": "overlay",
+         "readonly": True,
          "nosuid": False, "options": "lowerdir=/run/t1jax/empty:/"},
-        {"op": "mount", "source": "t1jax-build", "target": "/run/t1jax/root", "fstype": "overlay", "nosuid": False,
+        {"op": "mount", "source": "t1jax-build", "target": "/run/t1jax/root", "fstype": "overlay",
+         "nosuid": False,
          "options": f"lowerdir=/run/t1jax/host,upperdir={staging / 'upper'},workdir={staging / 'ovlwork'}"},
     ]  # fmt: skip
 

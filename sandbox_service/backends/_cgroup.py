@@ -144,6 +144,15 @@ class SandboxCgroups:
         return result
 
 
+def remove_parents_if_empty() -> None:
+    """Remove this process's `t1jax-sandboxes` groups when no sandbox group is left in them."""
+    for controller in CONTROLLERS:
+        try:
+            parent_dir(controller).rmdir()
+        except (OSError, CgroupUnavailable):
+            continue
+
+
 def _write(path: Path, value: object) -> None:
     path.write_text(str(value))
 

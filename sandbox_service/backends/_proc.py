@@ -153,9 +153,12 @@ def _stat_fields(pid: int) -> list[str] | None:
     return raw[raw.rfind(")") + 2 :].split()
 
 
-def pid_start_time(pid: int) -> int | None:
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields else None  # field 22 of stat(5), counted after the name
+def pid_start_time(pid: int | None) -> int | None:
+    """Start time of a live (non-zombie) process, None if it is gone or a zombie."""
+    fields = _stat_fields(pid) if pid is not None else None
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])  # field 22 of stat(5), counted after the name
 
 
 def session_members(session_id: int) -> list[int]:
