@@ -7,13 +7,14 @@ then solves the task from its summary.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from sandbox_service.backends.local import LocalBackend
 from sandbox_service.tasks import load_task
+from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR, setup_toolchain
 from t1jax.agent.harness import HarnessConfig, run_trial, verify_trial
 from t1jax.agent.metrics import trial_metrics
 from t1jax.agent.scripted import ScriptedSampler
@@ -25,7 +26,9 @@ from tests.agent import policies
 
 pytestmark = pytest.mark.sandbox
 
-TASKS = Path(__file__).resolve().parents[1] / "data" / "tasks" / "harbor"
+REPO = Path(__file__).resolve().parents[2]
+TASKS = REPO / "tests" / "data" / "tasks" / "harbor"
+RUN_ID = "harness-tests"
 TOK = load_project_tokenizer()
 SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.1, top_p=0.95, top_k=20)
 CONFIG = HarnessConfig(
@@ -41,22 +44,20 @@ CONFIG = HarnessConfig(
 
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory):
-    if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed")
-    from sandbox_service.backends.local import LocalBackend
-    from sandbox_service.verifier import setup_toolchain
-
-    cache = tmp_path_factory.mktemp("sandbox-cache")
-    setup_toolchain(cache / "verifier-toolchain", quiet=True)
-    provider = LocalBackend(cache_dir=cache)
+    """A real local backend (bubblewrap must be installed: these tests fail, not skip, without it)
+    using the repository's pinned verifier toolchain, created on first use."""
+    toolchain = setup_toolchain(REPO / DEFAULT_TOOLCHAIN_DIR, quiet=True).directory
+    provider = LocalBackend(cache_dir=tmp_path_factory.mktemp("sandbox-cache"), toolchain_dir=toolchain)
     yield provider
-    provider.reap(run_id="harness-tests")
+    leaked = provider.live_sandboxes(run_id=RUN_ID)
+    provider.reap(run_id=RUN_ID)
     provider.close()
+    assert not leaked, f"sandboxes left running: {leaked}"
 
 
 def trial(backend, task_name: str, policy, config=CONFIG, trial_id="trial"):
     task = load_task(TASKS / task_name)
-    sandbox = backend.create(task, run_id="harness-tests")
+    sandbox = backend.create(task, run_id=RUN_ID)
     try:
         trajectory = run_trial(
             task, sandbox, ScriptedSampler(TOK, policy), TOK, config, trial_id=trial_id, sampling=SAMPLING
@@ -91,11 +92,8 @@ def test_garbage_policy_runs_nothing_and_fails_verification(backend):
     assert assembly.audit.loss_tokens == sum(len(t.completion_ids) for t in trajectory.turns)
 
 
-SOLVE_SALES = (
-    Path(TASKS / "sales-report" / "solution" / "solve.sh").read_text().split("\n", 2)[2]
-    if (TASKS / "sales-report").exists()
-    else ""
-)
+# The task's reference solution minus its shebang and `set` line, typed into the terminal.
+SOLVE_SALES = (TASKS / "sales-report" / "solution" / "solve.sh").read_text().split("\n", 2)[2]
 
 
 def compacting_policy():
