@@ -1,0 +1,602 @@
+"""The Terminus-2-style agent loop, token-in: one trial of one task, from first prompt to status.
+
+`run_trial(task, sandbox, sampler, tokenizer, config, trial_id=..., sampling=...)` drives a
+model through a task and returns a `Trajectory`; it never raises (model output, binary terminal
+output, sampler or sandbox failures all end in a status and a detail) and never verifies or
+closes the sandbox (the caller does both: `verify_trial`, then `sandbox.close()`).
+
+The loop (paper §6.1):
+- The prompt is the pinned chat template (`chat_template`): a system prompt with the tools, then
+  the task instruction. Each assistant turn is parsed (`parsing`) into `shell` calls (a command
+  and an optional wait) and `task_complete`, which must come in two consecutive replies. A reply
+  that does not parse runs nothing and is answered with what was wrong.
+- Commands run in the sandbox's terminal (`terminal`, tmux by default); each output is sanitised
+  and capped (head and tail kept, omitted bytes stated) before it becomes a tool response.
+- Limits: `max_turns` action turns, `max_tokens_per_turn`, `context_window`, a per-command
+  duration cap, and the agent wall deadline (the task's, or the config's if shorter). The
+  deadline and `cancel_event` also abort an in-flight sampler request (`Sampler.abort`).
+
+Token-in (paper §4.2): the harness keeps ids, never text. Turn i+1's prompt is
+`prompt_i + completion_i + glue_i`, where glue_i is the encoding of the template's closing of the
+assistant message (`<|im_end|>` only when the sampler stopped without it), the tool response and
+the next generation prompt. The sampled completion is never decoded and re-encoded into the
+history, so every boundary is an exact prefix (Box 4.2 Case 6) and `Turn.glue_start` records
+where the glue begins.
+
+Context compaction (paper §6.1, §9.2): the budget always keeps room for a summary. An action
+turn may generate at most `context_window - prompt - reserve` tokens, where the reserve holds the
+next observation's minimum (`observation_reserve_tokens`), the summary request and the full
+`summary_max_tokens`; observations are cut to fit the same reserve. When the next action turn
+would get fewer than `min_turn_tokens`, the model is asked for a summary instead (a trainable
+`TurnKind.SUMMARY` turn that ends the segment), and the trial continues in a new segment whose
+prompt is the system prompt, the instruction, the summary and the tail of the latest terminal
+output. So a summary can never be cut short by the context (the failure the paper lost 98% of
+its summaries to); it can only hit its own `summary_max_tokens`, which is recorded as a
+`CompactionFailure` with what was kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+import traceback
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sandbox_service.contracts import FailureCause, Sandbox, SandboxDeadlineExpired, Task, VerifierReport
+from t1jax.agent import prompts
+from t1jax.agent.chat_template import (
+    IM_END,
+    Message,
+    Piece,
+    generation_prompt_pieces,
+    render_message_pieces,
+    render_pieces,
+)
+from t1jax.agent.parsing import ParsedReply, parse_reply
+from t1jax.agent.terminal import ExecTerminal, TerminalDriver, TmuxTerminal, cap_text, head_and_tail
+from t1jax.agent.tokenizer import ChatTokenizer
+from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult, Sampler, SamplingParams
+from t1jax.tito.types import (
+    CompactionEvent,
+    CompactionFailure,
+    Segment,
+    Trajectory,
+    TrialStats,
+    TrialStatus,
+    Turn,
+    TurnKind,
+)
+
+
+class TerminalMode(enum.StrEnum):
+    TMUX = "tmux"  # Sandbox.send_keys: persistent shell, Terminus-2 semantics
+    EXEC = "exec"  # Sandbox.exec: one process per command, exit codes
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    """Limits of one trial. Defaults follow the paper's evaluation harness (§6.1) where it states
+    them (60 turns, 96k context, 60 s command cap, 10 kB outputs)."""
+
+    max_turns: int = 60  # action turns (summary turns are not counted)
+    max_tokens_per_turn: int = 8192
+    context_window: int = 96_000  # prompt + completion tokens of any one sampler call
+    min_turn_tokens: int = 256  # an action turn with less room than this triggers compaction
+    observation_reserve_tokens: int = 256  # room always kept for the next observation's glue
+    compaction: bool = True
+    summary_max_tokens: int = 2048  # the summary turn's own budget, always fully available
+    max_compactions: int = 8
+    recent_output_bytes: int = 2000  # terminal output tail carried into a compacted segment
+    max_output_bytes: int = 10_000  # per command: first and last half kept
+    default_command_duration_sec: float = 1.0
+    max_command_duration_sec: float = 60.0
+    agent_timeout_sec: float | None = None  # None: the task's own agent deadline
+    terminal: TerminalMode = TerminalMode.TMUX
+    require_routing: bool = True  # MoE policies: a result without routing aborts the trial
+    trim_routing: bool = True  # keep only the routing rows the stitched stream takes from a turn
+
+    def __post_init__(self) -> None:
+        positive = (
+            "max_turns",
+            "max_tokens_per_turn",
+            "context_window",
+            "min_turn_tokens",
+            "observation_reserve_tokens",
+            "summary_max_tokens",
+            "max_output_bytes",
+            "max_command_duration_sec",
+        )
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HarnessConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.observation_reserve_tokens < 64:
+            raise ValueError(
+                f"HarnessConfig.observation_reserve_tokens must be >= 64 (room for the smallest "
+                f"observation), got {self.observation_reserve_tokens}"
+            )
+        if self.min_turn_tokens > self.max_tokens_per_turn:
+            raise ValueError(
+                f"HarnessConfig.min_turn_tokens ({self.min_turn_tokens}) exceeds "
+                f"max_tokens_per_turn ({self.max_tokens_per_turn})"
+            )
+        if not 0 <= self.default_command_duration_sec <= self.max_command_duration_sec:
+            raise ValueError(
+                "HarnessConfig.default_command_duration_sec must lie in [0, max_command_duration_sec]"
+            )
+        if self.agent_timeout_sec is not None and not self.agent_timeout_sec > 0:
+            raise ValueError(
+                f"HarnessConfig.agent_timeout_sec must be > 0 or None, got {self.agent_timeout_sec}"
+            )
+        # The compacted prompt holds up to a whole summary, and must still leave a full reserve
+        # plus one turn: otherwise compaction could never make progress.
+        needed = 2 * self.summary_max_tokens + self.observation_reserve_tokens + self.min_turn_tokens
+        if self.compaction and self.context_window < needed:
+            raise ValueError(
+                f"HarnessConfig.context_window ({self.context_window}) is too small for compaction: it needs "
+                f">= 2 * summary_max_tokens + observation_reserve_tokens + min_turn_tokens = {needed} "
+                f"plus the "
+                f"system prompt; lower summary_max_tokens or disable compaction"
+            )
+        object.__setattr__(self, "terminal", TerminalMode(self.terminal))
+
+
+class _TrialEnded(Exception):
+    def __init__(self, status: TrialStatus, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+def run_trial(
+    task: Task,
+    sandbox: Sandbox,
+    sampler: Sampler,
+    tokenizer: ChatTokenizer,
+    config: HarnessConfig,
+    *,
+    trial_id: str,
+    sampling: SamplingParams,
+    cancel_event: threading.Event | None = None,
+) -> Trajectory:
+    """Run one trial; always returns a Trajectory (see the module docstring).
+
+    Thread-safe with respect to other trials (all state is local; `sampler` batches concurrent
+    calls). `sampling` supplies temperature / top-p / top-k and a base seed; per request the
+    harness sets `max_new_tokens` from its token budget (so `sampling.max_new_tokens` is not
+    used; `config.max_tokens_per_turn` bounds it), adds `<|im_end|>` and `<|endoftext|>` to the
+    stop ids, and derives a distinct seed from (seed, trial_id, request number). Request ids are
+    `f"{trial_id}/{n}"`, n = 1, 2, ...; setting `cancel_event` aborts the in-flight request and
+    ends the trial with status ABORTED."""
+    return _Trial(task, sandbox, sampler, tokenizer, config, trial_id, sampling, cancel_event).run()
+
+
+def verify_trial(trajectory: Trajectory, sandbox: Sandbox) -> Trajectory:
+    """Run the task's verifier and attach its report. Never raises: a sandbox failure becomes an
+    unparsed report with `FailureCause.SANDBOX_ERROR`. The caller still closes the sandbox."""
+    started = time.monotonic()
+    try:
+        report = sandbox.verify()
+    except Exception as error:  # the sandbox backend failed, not the agent
+        report = VerifierReport(
+            assertions=(),
+            parsed=False,
+            failure_cause=FailureCause.SANDBOX_ERROR,
+            binary_outcome=None,
+            detail=f"verify raised {type(error).__name__}: {error}",
+        )
+    return dataclasses.replace(trajectory, verifier_report=report, verify_sec=time.monotonic() - started)
+
+
+class _Trial:
+    def __init__(self, task, sandbox, sampler, tokenizer, config, trial_id, sampling, cancel_event) -> None:
+        self.task, self.sandbox, self.sampler, self.tokenizer = task, sandbox, sampler, tokenizer
+        self.config: HarnessConfig = config
+        self.trial_id, self.sampling = trial_id, sampling
+        self.cancel_event = cancel_event if cancel_event is not None else threading.Event()
+        self.started_at = time.time()
+        self.started = time.monotonic()
+        timeout = task.limits.agent_timeout_sec
+        if config.agent_timeout_sec is not None:
+            timeout = min(timeout, config.agent_timeout_sec)
+        self.deadline = self.started + timeout
+        self.terminal: TerminalDriver = (
+            TmuxTerminal(sandbox, config.max_output_bytes)
+            if config.terminal is TerminalMode.TMUX
+            else ExecTerminal(sandbox, config.max_output_bytes)
+        )
+        self.workdir = task.environment.workdir
+        self.segments: list[list[Turn]] = [[]]
+        self.compactions: list[CompactionEvent] = []
+        self.stats = TrialStats()
+        self.request_counter = 0
+        self.last_output = ""
+        self.stop_ids = tuple(dict.fromkeys(tuple(sampling.stop_token_ids) + tokenizer.stop_token_ids))
+        self.generation_prompt_len = len(tokenizer.encode_pieces(generation_prompt_pieces()))
+        self.summary_request_len = len(
+            tokenizer.encode_pieces(render_message_pieces(Message("user", prompts.SUMMARY_REQUEST)))
+        )
+
+    # ---- top level -------------------------------------------------------------------------
+
+    def run(self) -> Trajectory:
+        try:
+            status, detail = self._loop()
+        except _TrialEnded as ended:
+            status, detail = ended.status, ended.detail
+        except Exception as error:  # a bug in the harness itself: report it, keep the turns
+            status = TrialStatus.ERROR
+            detail = f"harness error {type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}"
+        return self._trajectory(status, detail)
+
+    def _trajectory(self, status: TrialStatus, detail: str) -> Trajectory:
+        segments = tuple(Segment(index, tuple(turns)) for index, turns in enumerate(self.segments) if turns)
+        stats = dataclasses.replace(self.stats, wall_sec=time.monotonic() - self.started)
+        return Trajectory(
+            trial_id=self.trial_id,
+            task_id=self.task.task_id,
+            segments=segments,
+            status=status,
+            detail=detail,
+            compactions=tuple(self.compactions),
+            stats=stats,
+            started_at=self.started_at,
+        )
+
+    def _loop(self) -> tuple[TrialStatus, str]:
+        prompt = self._encode_messages(prompts.initial_messages(self.task.instruction, self.workdir))
+        glue_start = 0
+        confirm_pending = False
+        while True:
+            self._check_time()
+            if self.stats.action_turns >= self.config.max_turns:
+                return TrialStatus.MAX_TURNS, f"reached max_turns = {self.config.max_turns}"
+            max_new = self._action_budget(len(prompt))
+            if max_new < self.config.min_turn_tokens:
+                return TrialStatus.CONTEXT_EXHAUSTED, (
+                    f"prompt of {len(prompt)} tokens leaves {max_new} < min_turn_tokens = "
+                    f"{self.config.min_turn_tokens} in a context window of {self.config.context_window}"
+                )
+            turn = self._generate(prompt, glue_start, max_new, TurnKind.ACTION)
+            self.stats = dataclasses.replace(self.stats, action_turns=self.stats.action_turns + 1)
+            if turn.finish_reason is FinishReason.ABORT:
+                self._raise_for_abort()
+            reply = self._parse(turn)
+            observation, done = self._act(reply, confirm_pending)
+            if done:
+                return TrialStatus.COMPLETED, "task_complete confirmed"
+            if self.stats.action_turns >= self.config.max_turns:  # no glue, no summary for nothing
+                return TrialStatus.MAX_TURNS, f"reached max_turns = {self.config.max_turns}"
+            confirm_pending = reply.ok and reply.task_complete
+            base = np.concatenate([turn.prompt_ids, turn.completion_ids]).astype(np.int32)
+            fitted = self._fit_observation(base, turn.completion_ids, observation)
+            if fitted is None:
+                return (
+                    TrialStatus.CONTEXT_EXHAUSTED,
+                    "no room left in the context window for the next observation",
+                )
+            glue, observation = fitted
+            next_prompt = np.concatenate([base, glue]).astype(np.int32)
+            if (
+                self._action_budget(len(next_prompt)) >= self.config.min_turn_tokens
+                or not self._can_compact()
+            ):
+                prompt, glue_start = next_prompt, len(base)
+                continue
+            prompt = self._compact(base, turn.completion_ids, observation)
+            glue_start = 0
+            confirm_pending = False
+
+    # ---- budgets ---------------------------------------------------------------------------
+
+    def _can_compact(self) -> bool:
+        return self.config.compaction and len(self.compactions) < self.config.max_compactions
+
+    def _summary_room(self) -> int:
+        """Tokens kept free after the next observation: the summary request and the summary."""
+        if not self._can_compact():
+            return 0
+        return self.summary_request_len + self.generation_prompt_len + self.config.summary_max_tokens
+
+    def _action_budget(self, prompt_len: int) -> int:
+        reserve = self._summary_room() + (
+            self.config.observation_reserve_tokens if self._can_compact() else 0
+        )
+        return min(self.config.max_tokens_per_turn, self.config.context_window - prompt_len - reserve)
+
+    def _remaining_sec(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def _check_time(self) -> None:
+        if self.cancel_event.is_set():
+            raise _TrialEnded(TrialStatus.ABORTED, "cancelled by the caller")
+        if self._remaining_sec() <= 0:
+            raise _TrialEnded(TrialStatus.AGENT_TIMEOUT, "agent deadline passed")
+
+    def _raise_for_abort(self) -> None:
+        self._check_time()
+        raise _TrialEnded(TrialStatus.ABORTED, "the sampler aborted the request")
+
+    # ---- sampling --------------------------------------------------------------------------
+
+    def _generate(self, prompt: np.ndarray, glue_start: int, max_new: int, kind: TurnKind) -> Turn:
+        self.request_counter += 1
+        request_id = f"{self.trial_id}/{self.request_counter}"
+        seed = (
+            self.sampling.seed * 1_000_003 + zlib.crc32(self.trial_id.encode()) + self.request_counter
+        ) % (2**31)
+        params = dataclasses.replace(
+            self.sampling, max_new_tokens=int(max_new), stop_token_ids=self.stop_ids, seed=seed
+        )
+        request = GenerateRequest(request_id=request_id, prompt_ids=prompt, params=params)
+        finished = threading.Event()
+        watcher = threading.Thread(target=self._abort_when_due, args=(request_id, finished), daemon=True)
+        watcher.start()
+        started = time.monotonic()
+        try:
+            results = self.sampler.generate([request])
+        except Exception as error:
+            raise _TrialEnded(
+                TrialStatus.ERROR, f"sampler.generate raised {type(error).__name__}: {error}"
+            ) from None
+        finally:
+            finished.set()
+        elapsed = time.monotonic() - started
+        self.stats = dataclasses.replace(self.stats, generate_sec=self.stats.generate_sec + elapsed)
+        result = self._validated(results, request)
+        routing, routing_start = result.routing, 0
+        if routing is not None and self.config.trim_routing and glue_start > 0:
+            routing_start = glue_start - 1
+            routing = np.ascontiguousarray(routing[routing_start:])
+        turn = Turn(
+            prompt_ids=prompt,
+            completion_ids=np.asarray(result.completion_ids, dtype=np.int32),
+            logprobs=np.asarray(result.logprobs, dtype=np.float32),
+            routing=routing,
+            finish_reason=FinishReason(result.finish_reason),
+            policy_version=int(result.policy_version),
+            kind=kind,
+            glue_start=glue_start,
+            routing_start=routing_start,
+            request_id=request_id,
+            generate_sec=elapsed,
+        )
+        self.segments[-1].append(turn)
+        if kind is TurnKind.SUMMARY:
+            self.stats = dataclasses.replace(self.stats, summary_turns=self.stats.summary_turns + 1)
+        return turn
+
+    def _abort_when_due(self, request_id: str, finished: threading.Event) -> None:
+        """Abort `request_id` when the caller cancels or the deadline passes, whichever first.
+        Waiting on the cancel event itself makes cancellation immediate; the 0.25 s slices only
+        bound how long this thread outlives a request that finished on its own."""
+        while not finished.is_set():
+            cancelled = self.cancel_event.wait(timeout=min(0.25, max(self._remaining_sec(), 0.0)))
+            if finished.is_set():
+                return
+            if cancelled or self._remaining_sec() <= 0:
+                try:
+                    self.sampler.abort([request_id])
+                except Exception:  # best effort: generate will still return or raise on its own
+                    pass
+                return
+
+    def _validated(self, results: Sequence[GenerateResult], request: GenerateRequest) -> GenerateResult:
+        if len(results) != 1 or results[0].request_id != request.request_id:
+            raise _TrialEnded(
+                TrialStatus.ERROR, f"sampler returned {len(results)} results for request {request.request_id}"
+            )
+        result = results[0]
+        if not np.array_equal(np.asarray(result.prompt_ids), request.prompt_ids):
+            raise _TrialEnded(
+                TrialStatus.ERROR, f"sampler echoed a different prompt for {request.request_id}"
+            )
+        if len(result.completion_ids) > request.params.max_new_tokens:
+            raise _TrialEnded(
+                TrialStatus.ERROR,
+                f"sampler returned {len(result.completion_ids)} tokens for "
+                f"max_new_tokens = {request.params.max_new_tokens}",
+            )
+        if self.config.require_routing and result.routing is None:
+            raise _TrialEnded(
+                TrialStatus.ABORTED,
+                f"routing record missing for {request.request_id}: the trial "
+                f"is aborted, not trained on without it (paper §4.3)",
+            )
+        return result
+
+    # ---- acting ----------------------------------------------------------------------------
+
+    def _reply_text(self, turn: Turn) -> str:
+        ids = turn.completion_ids
+        if len(ids) and int(ids[-1]) in self.stop_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids)
+
+    def _parse(self, turn: Turn) -> ParsedReply:
+        reply = parse_reply(
+            self._reply_text(turn),
+            default_duration_sec=self.config.default_command_duration_sec,
+            max_duration_sec=self.config.max_command_duration_sec,
+            truncated=turn.finish_reason is FinishReason.LENGTH,
+        )
+        if not reply.ok:
+            self.stats = dataclasses.replace(self.stats, parse_errors=self.stats.parse_errors + 1)
+        return reply
+
+    def _act(self, reply: ParsedReply, confirm_pending: bool) -> tuple[Message, bool]:
+        """Run the reply's commands; returns (observation message, task confirmed complete)."""
+        if not reply.ok:
+            return Message("user", prompts.parse_error_message(reply.errors)), False
+        responses = []
+        for command in reply.commands:
+            self._check_time()
+            duration = min(command.duration_sec, max(self._remaining_sec(), 0.0))
+            started = time.monotonic()
+            try:
+                output = self.terminal.run(command.command, duration)
+            except SandboxDeadlineExpired as expired:  # the backend enforces the task's deadlines too
+                raise _TrialEnded(TrialStatus.AGENT_TIMEOUT, f"sandbox: {expired}") from None
+            except Exception as error:
+                raise _TrialEnded(
+                    TrialStatus.ERROR, f"sandbox failed running a command: {type(error).__name__}: {error}"
+                ) from None
+            self.stats = dataclasses.replace(
+                self.stats,
+                commands_run=self.stats.commands_run + 1,
+                command_timeouts=self.stats.command_timeouts + int(output.timed_out),
+                outputs_truncated=self.stats.outputs_truncated + int(output.omitted_bytes > 0),
+                environment_sec=self.stats.environment_sec + time.monotonic() - started,
+            )
+            responses.append(output.text)
+            self.last_output = output.text
+        if reply.task_complete:
+            if confirm_pending:
+                return Message("user", "task complete"), True
+            responses.append(prompts.CONFIRM_COMPLETION)
+        if not responses:  # unreachable: a reply without errors has a command or task_complete
+            responses.append("(nothing was run)")
+        if reply.warnings:
+            responses[0] = prompts.warnings_note(reply.warnings) + "\n" + responses[0]
+        return Message("tool", responses=tuple(responses)), False
+
+    # ---- glue ------------------------------------------------------------------------------
+
+    def _encode_messages(self, messages: Sequence[Message]) -> np.ndarray:
+        return self.tokenizer.encode_pieces(
+            render_pieces(messages, tools=prompts.TOOLS, add_generation_prompt=True)
+        )
+
+    def _glue(self, completion_ids: np.ndarray, messages: Sequence[Message]) -> np.ndarray:
+        """Ids appended after a completion: close the assistant message if the sampler did not,
+        then the messages and the next generation prompt (all rendered by the pinned template)."""
+        pieces: list[Piece] = []
+        if not len(completion_ids) or int(completion_ids[-1]) != self.tokenizer.im_end_id:
+            pieces.append(Piece(IM_END, control=True))
+        pieces.append(Piece("\n"))
+        for message in messages:
+            pieces += render_message_pieces(message)
+        pieces += generation_prompt_pieces()
+        return self.tokenizer.encode_pieces(pieces)
+
+    def _fit_observation(
+        self, base: np.ndarray, completion_ids: np.ndarray, observation: Message
+    ) -> tuple[np.ndarray, Message] | None:
+        """(glue, observation as shortened): the observation's texts are cut (head and tail kept)
+        until the stream keeps room for the summary request and a full summary (or, without
+        compaction, one minimal turn)."""
+        room_after = self._summary_room() if self._can_compact() else self.config.min_turn_tokens
+        budget = self.config.context_window - len(base) - room_after
+        texts = list(observation.responses) if observation.role == "tool" else [observation.content]
+        max_bytes = max(len(t.encode("utf-8")) for t in texts) if texts else 0
+        for attempt in range(13):
+            if attempt == 12:  # last resort, a few tokens whatever the number of commands
+                texts = [f"[all {len(texts)} outputs omitted: no room left in the context window]"]
+            message = (
+                Message("tool", responses=tuple(texts))
+                if observation.role == "tool"
+                else Message(observation.role, texts[0])
+            )
+            glue = self._glue(completion_ids, [message])
+            if len(glue) <= budget:
+                return glue, message
+            self.stats = dataclasses.replace(self.stats, outputs_truncated=self.stats.outputs_truncated + 1)
+            max_bytes = max_bytes // 2
+            texts = [cap_text(t, max_bytes)[0] if len(t.encode("utf-8")) > max_bytes else t for t in texts]
+        return None
+
+    # ---- compaction ------------------------------------------------------------------------
+
+    def _compact(self, base: np.ndarray, completion_ids: np.ndarray, observation: Message) -> np.ndarray:
+        """Summary turn at the end of the current segment, then the next segment's first prompt."""
+        context_tokens = len(base)
+        glue = self._glue(completion_ids, [observation, Message("user", prompts.SUMMARY_REQUEST)])
+        prompt = np.concatenate([base, glue]).astype(np.int32)
+        budget = min(self.config.summary_max_tokens, self.config.context_window - len(prompt))
+        summary, failure, detail, summary_tokens = "", CompactionFailure.NONE, "", 0
+        if budget < self.config.summary_max_tokens:  # cannot happen while the reserve invariant holds
+            failure = CompactionFailure.NO_ROOM
+            detail = f"only {budget} of summary_max_tokens = {self.config.summary_max_tokens} tokens left"
+        if budget > 0:
+            self._check_time()
+            turn = self._generate(prompt, len(base), budget, TurnKind.SUMMARY)
+            summary_tokens = len(turn.completion_ids)
+            if turn.finish_reason is FinishReason.ABORT:
+                self.compactions.append(
+                    CompactionEvent(
+                        from_segment=len(self.segments) - 1,
+                        context_tokens=context_tokens,
+                        summary_budget=budget,
+                        summary_tokens=summary_tokens,
+                        summary_chars=0,
+                        summary_chars_kept=0,
+                        new_prompt_tokens=0,
+                        segment_action_turns=self._segment_action_turns(),
+                        failure=CompactionFailure.SAMPLER_ABORTED,
+                        detail="summary request aborted",
+                    )
+                )
+                self._raise_for_abort()
+            summary = self._reply_text(turn).strip()
+            if turn.finish_reason is FinishReason.LENGTH and failure is CompactionFailure.NONE:
+                failure = CompactionFailure.SUMMARY_TRUNCATED
+                detail = f"summary hit its budget of {budget} tokens before <|im_end|>"
+            if not summary and failure is CompactionFailure.NONE:
+                failure, detail = CompactionFailure.SUMMARY_EMPTY, "the model wrote no summary text"
+        note = " (cut off at its token budget)" if failure is CompactionFailure.SUMMARY_TRUNCATED else ""
+        recent = cap_text(self.last_output, self.config.recent_output_bytes)[0] if self.last_output else ""
+        new_prompt, kept, recent_kept = self._compacted_prompt(summary, note, recent)
+        self.compactions.append(
+            CompactionEvent(
+                from_segment=len(self.segments) - 1,
+                context_tokens=context_tokens,
+                summary_budget=budget,
+                summary_tokens=summary_tokens,
+                summary_chars=len(summary),
+                summary_chars_kept=kept,
+                recent_output_chars_kept=recent_kept,
+                segment_action_turns=self._segment_action_turns(),
+                new_prompt_tokens=0 if new_prompt is None else len(new_prompt),
+                failure=failure,
+                detail=detail,
+            )
+        )
+        if new_prompt is None:
+            raise _TrialEnded(
+                TrialStatus.CONTEXT_EXHAUSTED, "the compacted prompt does not fit the context window"
+            )
+        self.segments.append([])
+        return new_prompt
+
+    def _segment_action_turns(self) -> int:
+        return sum(turn.kind is TurnKind.ACTION for turn in self.segments[-1])
+
+    def _compacted_prompt(self, summary: str, note: str, recent: str) -> tuple[np.ndarray | None, int, int]:
+        """The new segment's prompt, shortening the recent output and then the summary until an
+        action turn fits; returns (prompt or None, summary characters kept, output characters kept)."""
+        candidates = [(summary, len(summary), recent), (summary, len(summary), "")]
+        size = len(summary.encode("utf-8"))
+        while size > 64:
+            size //= 2
+            head, tail, omitted = head_and_tail(summary, size)
+            candidates.append(
+                (
+                    f"{head}\n[... {omitted} bytes of the summary omitted ...]\n{tail}",
+                    len(head) + len(tail),
+                    "",
+                )
+            )
+        candidates.append(("", 0, ""))
+        for kept_summary, kept_chars, kept_recent in candidates:
+            prompt = self._encode_messages(
+                prompts.compacted_messages(
+                    self.task.instruction, self.workdir, kept_summary, note, kept_recent
+                )
+            )
+            if self._action_budget(len(prompt)) >= self.config.min_turn_tokens:
+                return prompt, kept_chars, len(kept_recent)
+        return None, 0, 0

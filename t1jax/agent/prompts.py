@@ -1,0 +1,101 @@
+"""Every text the harness shows the model: system prompt, tools, observations, compaction requests.
+
+Kept in one place so the prompt is pinned (one version per trial, reproducible) and reviewable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from t1jax.agent.chat_template import Message, ToolSpec
+from t1jax.agent.parsing import SHELL, TASK_COMPLETE
+
+SYSTEM_PROMPT = (
+    "You are an AI assistant tasked with solving command-line tasks in a Linux environment. You "
+    "will be given a task description and access to a bash terminal through tools.\n\n"
+    "In every reply, first analyse the current state and plan your next steps in a few sentences, "
+    "then call one or more tools. The shell tool types a command into the terminal, presses Enter, "
+    "waits `duration` seconds and returns the new terminal output. Choose short durations for quick "
+    "commands and longer ones for builds or installs; call shell with an empty command to wait for "
+    "a command that is still running. Long outputs are shortened to their beginning and end.\n\n"
+    "When the task is complete, call task_complete. You will be asked to confirm; call it again to "
+    "finish. Your work is then checked by tests you cannot see."
+)
+
+TOOLS = (
+    ToolSpec(
+        name=SHELL,
+        description="Type a command into the bash terminal, press Enter, wait, and return the new output.",
+        parameters={
+            "type": "object",
+            "properties": {
+                "command": {
+                    "type": "string",
+                    "description": "The command line to run; empty to only wait for more output; a "
+                    "single key name such as C-c (interrupt) or C-d is sent as that key.",
+                },
+                "duration": {
+                    "type": "number",
+                    "description": "Seconds to wait for output before returning (default 1, at most 60).",
+                },
+            },
+            "required": ["command"],
+        },
+    ),
+    ToolSpec(
+        name=TASK_COMPLETE,
+        description="Declare the task complete. Must be called twice in a row to finish.",
+        parameters={"type": "object", "properties": {}, "required": []},
+    ),
+)
+
+CONFIRM_COMPLETION = (
+    "Are you sure you want to mark the task as complete? Your solution will be graded and you will "
+    "not be able to change it. If so, call task_complete again. Otherwise continue working."
+)
+
+SUMMARY_REQUEST = (
+    "Your context window is almost full. The conversation so far will be replaced by a summary that "
+    "you write now, and you will continue the task from that summary alone. Write it for yourself: "
+    "(1) the actions you took and their results, (2) what you learned about the environment, files "
+    "and tools, (3) the problems you hit and how you dealt with them, (4) the current status and the "
+    "next steps. Be specific: exact paths, commands, values and error messages. Reply with the "
+    "summary in plain text only, without tool calls."
+)
+
+
+def initial_messages(instruction: str, workdir: str) -> list[Message]:
+    return [
+        Message("system", SYSTEM_PROMPT),
+        Message("user", f"Task description:\n{instruction}\n\nThe terminal is a bash shell in {workdir}."),
+    ]
+
+
+def compacted_messages(
+    instruction: str, workdir: str, summary: str, summary_note: str, recent_output: str
+) -> list[Message]:
+    """The history a new segment starts from after compaction."""
+    parts = [
+        f"Task description:\n{instruction}\n\nThe terminal is a bash shell in {workdir}.",
+        "Your earlier context was compacted to save space.",
+    ]
+    if summary:
+        parts.append(f"Summary of your work so far, written by you{summary_note}:\n{summary}")
+    else:
+        parts.append(f"No summary of the earlier work is available{summary_note}.")
+    if recent_output:
+        parts.append(f"Most recent terminal output:\n{recent_output}")
+    parts.append("Continue working on the task from here.")
+    return [Message("system", SYSTEM_PROMPT), Message("user", "\n\n".join(parts))]
+
+
+def parse_error_message(errors: Sequence[str]) -> str:
+    listed = "\n".join(f"- {error}" for error in errors)
+    return (
+        f"Your previous reply could not be executed and no command was run:\n{listed}\n"
+        "Reply with your analysis followed by one or more <tool_call> blocks in the required format."
+    )
+
+
+def warnings_note(warnings: Sequence[str]) -> str:
+    return "\n".join(f"[note: {warning}]" for warning in warnings)
