@@ -12,6 +12,7 @@ setup:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -e ".[ref,k8s,modal,dev]"
+	$(PY) -m sandbox_service.verifier --setup
 
 test:
 	$(PY) -m pytest -m "not slow" -n $(PYTEST_WORKERS) -q
