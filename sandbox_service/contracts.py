@@ -13,6 +13,11 @@ Invariants:
   broken, missing or empty report becomes `parsed=False` with a `FailureCause`.
 - `Sandbox.close()` is idempotent and reclaims every process and file the sandbox owned.
 - Dependencies point one way: this package never imports t1jax.
+- Failures of the sandbox itself (not of the agent's commands) raise `SandboxError` subclasses:
+  `UnsupportedEnvironment` from `create` (the backend cannot build this task; nothing started),
+  `SandboxLifecycleError` for a call its state forbids (exec after verify, anything after close),
+  `SandboxDeadlineExpired` once the trial's agent or total deadline has passed. A command that
+  fails, times out or kills itself is an `ExecResult`, never an exception.
 """
 
 from __future__ import annotations
@@ -192,3 +197,31 @@ class SandboxProvider(Protocol):
     """Creates sandboxes (in-process backend or the HTTP client of a running service)."""
 
     def create(self, task: Task, *, run_id: str = "default") -> Sandbox: ...
+
+
+class SandboxError(RuntimeError):
+    """A sandbox (or its backend) failed or refused a call; never raised for what a command did."""
+
+
+class UnsupportedEnvironment(SandboxError, ValueError):
+    """`create` refused the task: this backend cannot build its environment (e.g. a Dockerfile
+    instruction outside the local backend's subset). Raised before any process of the task starts."""
+
+    def __init__(self, task_id: str, reason: str):
+        super().__init__(f"task {task_id!r}: {reason}")
+        self.task_id = task_id
+        self.reason = reason
+
+
+class SandboxLifecycleError(SandboxError):
+    """The call is not allowed in the sandbox's state: `exec`/`send_keys` after `verify`, a second
+    `verify`, any call after `close`, or a sandbox whose init process is gone."""
+
+
+class SandboxDeadlineExpired(SandboxError):
+    """The trial's `agent` or `total` deadline (see `TaskLimits`) has passed; `deadline` says which.
+    After the agent deadline `verify` still runs; after the total deadline nothing does."""
+
+    def __init__(self, message: str, deadline: str):
+        super().__init__(message)
+        self.deadline = deadline

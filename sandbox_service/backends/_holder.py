@@ -1,0 +1,160 @@
+"""Mount-namespace keeper: the root-side process that owns one sandbox's (or one build's) mounts.
+
+Run as `unshare --mount --propagation private -- python -I _holder.py CONFIG_JSON` by the local
+backend and the environment builder. It performs the listed filesystem operations in its private
+mount namespace, optionally spawns one child (the sandbox's init `bwrap`) into given cgroups under an
+unprivileged uid, prints one JSON line (`{"ok": true, "pid": ..., "child": {...}}` or
+`{"ok": false, "error": ...}`) and then waits until its stdin reaches EOF.
+
+Invariants:
+- Nothing it mounts is visible outside its mount namespace, so every mount disappears when the
+  namespace's last process exits: a crashed service leaks no mounts.
+- It lives exactly as long as its stdin is open: the service closing the pipe (or dying) makes it
+  SIGKILL its child and exit. The child runs `bwrap --die-with-parent`, so it dies with the holder.
+- Standard library only, single-threaded: `preexec_fn` (cgroup join + setuid) is safe here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    encode = lambda s: None if s is None else s.encode()
+    if _libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mount {fstype or 'bind'} {source} -> {target} ({data}): {os.strerror(errno)}")
+
+
+def _chown_tree(path: str, uid: int, gid: int) -> None:
+    os.lchown(path, uid, gid)
+    for directory, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(directory, name), uid, gid)
+
+
+def _apply(op: dict) -> None:
+    kind = op["op"]
+    if kind == "mkdir":
+        os.makedirs(op["path"], exist_ok=True)
+        os.chmod(op["path"], op.get("mode", 0o755))
+        os.lchown(op["path"], op.get("uid", 0), op.get("gid", 0))
+    elif kind == "file":
+        with open(op["path"], "w") as handle:
+            handle.write(op.get("content", ""))
+        os.chmod(op["path"], op.get("mode", 0o444))
+    elif kind == "mount":
+        flags = MS_NOSUID | MS_NODEV if op.get("nosuid", True) else 0
+        if op.get("readonly"):
+            flags |= MS_RDONLY
+        _mount(op["source"], op["target"], op["fstype"], flags, op.get("options"))
+    elif kind == "bind":
+        _mount(op["source"], op["target"], None, MS_BIND | (MS_REC if op.get("recursive") else 0), None)
+        if op.get("readonly"):
+            _mount(None, op["target"], None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+    elif kind == "copy":  # the contents of a host directory into a target directory, then chown
+        source, target = op["source"], op["target"]
+        for name in os.listdir(source):
+            src, dst = os.path.join(source, name), os.path.join(target, name)
+            if os.path.isdir(src) and not os.path.islink(src):
+                shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+            else:
+                shutil.copy2(src, dst, follow_symlinks=False)
+        if "uid" in op:
+            _chown_tree(target, op["uid"], op["gid"])
+    else:
+        raise ValueError(f"unknown holder op {kind!r}")
+
+
+def _spawn(spec: dict) -> tuple[subprocess.Popen, dict]:
+    """Start the child; return it with bwrap's info JSON once the child reported ready.
+
+    bwrap writes its info (`child-pid`) before it has finished mounting the sandbox, so the child's
+    command must also write a line to `{ready_fd}` when it runs: only then is the sandbox complete.
+    """
+    info_read, info_write = os.pipe()
+    ready_read, ready_write = os.pipe()
+    argv = [
+        arg.replace("{info_fd}", str(info_write)).replace("{ready_fd}", str(ready_write)) for arg in spec["argv"]
+    ]
+    uid, gid = spec.get("uid"), spec.get("gid")
+
+    def enter_cgroups_and_drop_privileges() -> None:
+        for procs in spec.get("cgroup_procs", []):
+            with open(procs, "w") as handle:
+                handle.write(str(os.getpid()))
+        if gid is not None:
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+        if uid is not None:
+            os.setresuid(uid, uid, uid)
+
+    child = subprocess.Popen(
+        argv,
+        env=spec.get("env", {}),
+        cwd=spec.get("cwd", "/"),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        pass_fds=(info_write, ready_write),
+        preexec_fn=enter_cgroups_and_drop_privileges,
+    )
+    os.close(info_write)
+    os.close(ready_write)
+    with os.fdopen(info_read, "rb") as info:
+        raw = info.read()  # bwrap closes the info fd after writing it (or exits on failure)
+    with os.fdopen(ready_read, "rb") as ready:
+        ready_line = ready.readline()  # EOF (b"") if the sandbox died before its command ran
+    try:
+        info_json = json.loads(raw.decode() or "null") or {}
+    except json.JSONDecodeError:
+        info_json = {}
+    if ready_line.strip() != b"ready":
+        info_json.pop("child-pid", None)
+    return child, info_json
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the service's group must not orphan mounts
+    config = json.loads(sys.argv[1])
+    child = None
+    try:
+        for op in config.get("ops", []):
+            _apply(op)
+        child_info: dict = {}
+        if config.get("spawn"):
+            child, child_info = _spawn(config["spawn"])
+            if "child-pid" not in child_info:
+                child.wait(timeout=10)
+                error = child.stderr.read().decode(errors="replace").strip() if child.stderr else ""
+                raise RuntimeError(f"bwrap failed to start (exit {child.returncode}): {error}")
+        print(json.dumps({"ok": True, "pid": os.getpid(), "child": child_info}), flush=True)
+    except Exception as error:  # reported to the service, which raises it with context
+        print(json.dumps({"ok": False, "error": f"{type(error).__name__}: {error}"}), flush=True)
+        if child is not None and child.poll() is None:
+            child.kill()
+        return 1
+    sys.stdin.buffer.read()  # block until the service closes our stdin (or dies)
+    if child is not None and child.poll() is None:
+        child.kill()
+        child.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

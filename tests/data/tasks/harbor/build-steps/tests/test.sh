@@ -1,0 +1,3 @@
+#!/bin/bash
+cd /app
+pytest /tests/test_outputs.py -rA
