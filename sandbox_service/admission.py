@@ -57,7 +57,6 @@ from sandbox_service.contracts import (
 )
 from sandbox_service.errors import (
     AdmissionTimeout,
-    BackendError,
     BadRequest,
     DeadlineExceeded,
     SandboxClosed,
@@ -65,6 +64,7 @@ from sandbox_service.errors import (
     SandboxStateError,
     TrialCancelled,
     UnknownSandbox,
+    translate,
 )
 
 log = logging.getLogger(__name__)
@@ -449,10 +449,18 @@ class AdmissionController:
 
     # ---- creation --------------------------------------------------------------------------------
 
-    def create(self, task: Task, *, run_id: str = "default", trial_id: str | None = None) -> AdmittedSandbox:
+    def create(
+        self,
+        task: Task,
+        *,
+        run_id: str = "default",
+        trial_id: str | None = None,
+        admission_timeout_sec: float | None = None,
+    ) -> AdmittedSandbox:
         """Admit and create a sandbox for `task`. Blocks for a concurrency slot, then for a creation
         token, then for the backend. `trial_id` (default: a fresh id) lets another thread `cancel`
-        the trial before this call returns."""
+        the trial before this call returns. `admission_timeout_sec` bounds the wait for the slot and
+        the token (`AdmissionTimeout` after it); the node's own limit, if any, still applies."""
         if not isinstance(run_id, str) or not run_id:
             raise BadRequest(f"run_id must be a non-empty string, got {run_id!r}")
         if self._stopping.is_set():
@@ -466,7 +474,7 @@ class AdmissionController:
             self._open[trial.trial_id] = trial
 
         try:
-            self._admit(trial)
+            self._admit(trial, admission_timeout_sec)
         except BaseException:
             self._forget(
                 trial, CloseReason.CANCELLED if trial.cancelled.is_set() else CloseReason.CREATE_FAILED
@@ -482,13 +490,9 @@ class AdmissionController:
             self._forget(trial, reason or CloseReason.CREATE_FAILED)
             if reason is not None:
                 raise _closed_error(trial, "create") from error
-            if isinstance(error, SandboxServiceError):
+            if isinstance(error, SandboxServiceError) or not isinstance(error, Exception):
                 raise
-            if isinstance(error, Exception):
-                raise BackendError(
-                    f"backend failed to create a sandbox for {task.task_id}: {error}"
-                ) from error
-            raise
+            raise translate(error, f"creating a sandbox for {task.task_id}") from error
 
         with trial.lock:
             trial.backend = backend_sandbox
@@ -506,8 +510,11 @@ class AdmissionController:
             raise _closed_error(trial, "create")
         return AdmittedSandbox(self, trial, task)
 
-    def _admit(self, trial: _Trial) -> None:
-        timeout = self.config.admission_timeout_sec
+    def _admit(self, trial: _Trial, timeout: float | None) -> None:
+        if timeout is None:
+            timeout = self.config.admission_timeout_sec
+        elif self.config.admission_timeout_sec is not None:
+            timeout = min(timeout, self.config.admission_timeout_sec)
         started = time.monotonic()
         if not self._limiter.acquire(timeout=timeout, cancelled=trial.cancelled):
             if trial.cancelled.is_set():
@@ -573,7 +580,7 @@ class AdmissionController:
         except Exception as error:
             if trial.cancelled.is_set():
                 raise _closed_error(trial, action) from error
-            raise BackendError(f"{action} failed in sandbox {backend.sandbox_id}: {error}") from error
+            raise translate(error, f"{action} in sandbox {backend.sandbox_id}") from error
         finally:
             self._unregister_call(trial, call_id)
         if trial.cancelled.is_set():
@@ -620,7 +627,7 @@ class AdmissionController:
         if failure is not None:
             if isinstance(failure, SandboxServiceError):
                 raise failure
-            raise BackendError(f"verify failed in sandbox {backend.sandbox_id}: {failure}") from failure
+            raise translate(failure, f"verify in sandbox {backend.sandbox_id}") from failure
         assert report is not None
         return report
 

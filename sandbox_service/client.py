@@ -30,7 +30,7 @@ from sandbox_service.errors import (
     SandboxServiceError,
     ServiceUnavailable,
     UnknownTaskUpload,
-    error_from_code,
+    error_from_json,
 )
 
 
@@ -86,9 +86,7 @@ class SandboxServiceClient:
         except ValueError:
             body = None
         if isinstance(body, dict) and "error" in body:
-            raise error_from_code(
-                str(body["error"]), str(body.get("message", "")), deadline=body.get("deadline")
-            )
+            raise error_from_json(body)
         raise SandboxServiceError(f"{method} {path}: HTTP {response.status_code}: {response.text[:500]}")
 
     def _digest(self, source_dir: Path) -> str:
@@ -149,6 +147,8 @@ class SandboxServiceClient:
             "run_id": run_id,
             "trial_id": trial_id,
         }
+        if admission_wait_sec is not None:
+            body["admission_timeout_sec"] = admission_wait_sec
         wait = self.default_admission_wait_sec if admission_wait_sec is None else admission_wait_sec
         timeout = wait + task.limits.total_timeout_sec
         with self._lock:

@@ -58,10 +58,13 @@ from starlette.routing import Route
 
 from sandbox_service import wire
 from sandbox_service.admission import AdmissionController, LeakReport, TrialInfo, TrialState
+from sandbox_service.contracts import SandboxError
 from sandbox_service.errors import (
     BadRequest,
     SandboxServiceError,
     UnknownTaskUpload,
+    error_to_json,
+    translate,
 )
 
 log = logging.getLogger(__name__)
@@ -190,11 +193,7 @@ def leak_report_to_json(report: LeakReport) -> dict[str, Any]:
 
 
 def _error_response(error: SandboxServiceError) -> JSONResponse:
-    body: dict[str, Any] = {"error": error.code, "message": str(error)}
-    deadline = getattr(error, "deadline", None)
-    if deadline is not None:
-        body["deadline"] = deadline
-    return JSONResponse(body, status_code=error.http_status)
+    return JSONResponse(error_to_json(error), status_code=error.http_status)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,6 +222,8 @@ def create_app(
                 return await handler(request)
             except SandboxServiceError as error:
                 return _error_response(error)
+            except SandboxError as error:  # a backend's contract error that no layer translated
+                return _error_response(translate(error, f"{request.method} {request.url.path}"))
             except Exception as error:  # a bug, not a sandbox outcome: report it, keep serving
                 log.exception("unhandled error in %s %s", request.method, request.url.path)
                 return JSONResponse(
@@ -260,7 +261,12 @@ def create_app(
         trial_id = data.get("trial_id")
         if trial_id is not None and (not isinstance(trial_id, str) or not trial_id):
             raise BadRequest("field 'trial_id' must be a non-empty string when given")
-        sandbox = await blocking(lambda: controller.create(task, run_id=run_id, trial_id=trial_id))
+        wait = _number(data, "admission_timeout_sec", required=False)
+        if wait is not None and wait < 0:
+            raise BadRequest(f"field 'admission_timeout_sec' must be >= 0, got {wait}")
+        sandbox = await blocking(
+            lambda: controller.create(task, run_id=run_id, trial_id=trial_id, admission_timeout_sec=wait)
+        )
         if await request.is_disconnected():
             log.warning("client went away while trial %s was being created; closing it", sandbox.trial_id)
             await blocking(sandbox.close)

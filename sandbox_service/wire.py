@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import os
@@ -85,9 +86,7 @@ def pack_task_dir(root: Path) -> bytes:
     """A gzip tarball of root's contents with normalized owners, times and modes."""
     root = Path(root)
     buffer = io.BytesIO()
-    # mtime=0 in the gzip header keeps the bytes reproducible.
-    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as archive:
-        archive.fileobj.mtime = 0  # type: ignore[union-attr]
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
         for rel, st, path in _entries(root):
             info = tarfile.TarInfo(rel)
             info.uid = info.gid = 0
@@ -107,7 +106,7 @@ def pack_task_dir(root: Path) -> bytes:
                 info.mode = 0o755 if st.st_mode & 0o111 else 0o644
                 with open(path, "rb") as handle:
                     archive.addfile(info, handle)
-    return buffer.getvalue()
+    return gzip.compress(buffer.getvalue(), compresslevel=6, mtime=0)  # mtime=0: reproducible bytes
 
 
 def unpack_task_dir(data: bytes, destination: Path) -> None:

@@ -31,12 +31,14 @@ import re
 import secrets
 import shlex
 import tarfile
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from sandbox_service.contracts import ExecResult, Task, TaskLayout, TerminalRead
+from sandbox_service import reports
+from sandbox_service.contracts import ExecResult, FailureCause, Task, TaskLayout, TerminalRead, VerifierReport
 from sandbox_service.errors import BackendError, BadRequest, SandboxClosed, SandboxStateError
 
 STATE_DIR = "/tmp/.t1jax"
@@ -46,6 +48,8 @@ TESTS_DIR = "/tests"
 VERIFIER_LOG_DIR = "/logs/verifier"
 AGENT_LOG_DIR = "/logs/agent"
 DEFAULT_OUTPUT_LIMIT_BYTES = 64 * 1024
+# The verifier's console output is parsed (pytest's summary comes last): keep much more of it.
+VERIFIER_OUTPUT_LIMIT_BYTES = 4 * 1024 * 1024
 # Extra wall-clock a `run` gets beyond the command's own deadline before the caller gives up on
 # the transport (the in-container watchdog should always answer first).
 TRANSPORT_GRACE_SEC = 30.0
@@ -289,8 +293,7 @@ def verifier_command(task: Task) -> tuple[str, dict[str, Path]]:
 
 
 class ContainerSandbox(abc.ABC):
-    """A `Sandbox` driven through `_run`. Subclasses implement `_run` and `_terminate`, and supply a
-    `verify` built on `_kill_agent`, `put_tree`, `remote_checksums`, `exec_raw` and `read_file`."""
+    """A `Sandbox` driven through `_run`; subclasses implement `_run` and `_terminate`."""
 
     def __init__(self, sandbox_id: str, task: Task, *, output_limit_bytes: int = DEFAULT_OUTPUT_LIMIT_BYTES):
         self._sandbox_id = sandbox_id
@@ -340,20 +343,23 @@ class ContainerSandbox(abc.ABC):
             raise SandboxClosed(f"{action} interrupted: sandbox {self._sandbox_id} was closed")
         return output
 
-    def exec_raw(self, command: str, timeout_sec: float) -> ExecResult:
+    def exec_raw(
+        self, command: str, timeout_sec: float, *, output_limit_bytes: int | None = None
+    ) -> ExecResult:
         """`exec` without the agent-phase check (the verifier uses it)."""
+        limit = output_limit_bytes or self.output_limit_bytes
         nonce = secrets.token_hex(8)
         script = exec_script(
             command,
             timeout_sec,
             workdir=self._task.environment.workdir,
             nonce=nonce,
-            output_limit_bytes=self.output_limit_bytes,
+            output_limit_bytes=limit,
         )
         started = time.monotonic()
         output = self._checked_run(script, timeout_sec + TRANSPORT_GRACE_SEC, "exec")
         return parse_exec_output(
-            output, nonce, output_limit_bytes=self.output_limit_bytes, duration_sec=time.monotonic() - started
+            output, nonce, output_limit_bytes=limit, duration_sec=time.monotonic() - started
         )
 
     def exec(self, command: str, timeout_sec: float) -> ExecResult:
@@ -376,6 +382,53 @@ class ContainerSandbox(abc.ABC):
         )
         output = self._checked_run(script, wait_sec + TRANSPORT_GRACE_SEC, "send_keys")
         return self._terminal.consume(output, nonce, output_limit_bytes=self.output_limit_bytes)
+
+    def verify(self) -> VerifierReport:
+        """Stop the agent's processes, copy in the tests, check their checksums, run the verifier
+        under the task's verifier deadline, fetch its report files and parse them."""
+        if self._verified:
+            raise SandboxStateError(f"verify() was already called for sandbox {self._sandbox_id}")
+        self._verified = True
+        task = self._task
+        try:
+            self._kill_agent()
+            command, extra_files = verifier_command(task)
+            self.put_tree(task.tests_dir, TESTS_DIR, extra_files=extra_files)
+            self._checked_run(
+                f"rm -rf {VERIFIER_LOG_DIR} && mkdir -p {VERIFIER_LOG_DIR}\n".encode(),
+                TRANSPORT_GRACE_SEC,
+                "reset logs",
+            )
+            expected = local_checksums(task.tests_dir, extra_files)
+            found = self.remote_checksums(TESTS_DIR)
+            changed = sorted(name for name, digest in expected.items() if found.get(name) != digest)
+            if changed:
+                return VerifierReport(
+                    (),
+                    False,
+                    FailureCause.TESTS_TAMPERED,
+                    None,
+                    None,
+                    detail=f"tests differ from the task's after copying them in: {', '.join(changed[:10])}",
+                )
+            result = self.exec_raw(
+                command, task.limits.verifier_timeout_sec, output_limit_bytes=VERIFIER_OUTPUT_LIMIT_BYTES
+            )
+            with tempfile.TemporaryDirectory(prefix="t1jax-verifier-") as local_dir:
+                for name in (reports.JUNIT_FILE, reports.CTRF_FILE, reports.REWARD_TXT, reports.REWARD_JSON):
+                    data = self.read_file(f"{VERIFIER_LOG_DIR}/{name}", reports.MAX_REPORT_BYTES + 1)
+                    if data is not None:
+                        (Path(local_dir) / name).write_bytes(data)
+                return reports.build_report(
+                    report_dir=Path(local_dir),
+                    output=result.stdout + result.stderr,
+                    exit_code=result.exit_code,
+                    timed_out=result.timed_out,
+                )
+        except SandboxClosed:
+            raise
+        except BackendError as error:
+            return VerifierReport((), False, FailureCause.SANDBOX_ERROR, None, None, detail=str(error))
 
     def close(self) -> None:
         with self._close_lock:

@@ -91,6 +91,14 @@ class LocalContainer:
             self._bwrap.kill()
             raise RuntimeError(f"bubblewrap did not start a container: {data!r}")
         self.killed = False
+        # bwrap reports the pid before it has finished setting up the mounts; the container is
+        # ready once that process has exec'd the container's command.
+        give_up = time.monotonic() + 30
+        while os.readlink(f"/proc/{self.pid}/exe").endswith("bwrap"):
+            if time.monotonic() > give_up:
+                self.kill()
+                raise RuntimeError("the container never started its command")
+            time.sleep(0.005)
 
     def alive(self) -> bool:
         if self.killed:
