@@ -24,10 +24,8 @@ Invariants:
 from __future__ import annotations
 
 import abc
-import hashlib
+import dataclasses
 import io
-import os
-import re
 import secrets
 import shlex
 import tarfile
@@ -35,17 +33,31 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from sandbox_service import reports
-from sandbox_service.contracts import ExecResult, FailureCause, Task, TaskLayout, TerminalRead, VerifierReport
+from sandbox_service.contracts import ExecResult, FailureCause, Task, TerminalRead, VerifierReport
+from sandbox_service.envbuild import DEFAULT_PATH
 from sandbox_service.errors import BackendError, BadRequest, SandboxClosed, SandboxStateError
+from sandbox_service.verifier import (
+    REPORT_DIR,
+    SANDBOX_PYTHON,
+    TESTS_DIR,
+    TOOLCHAIN_MOUNT,
+    VERIFIER_TMP,
+    Toolchain,
+    ToolchainMissing,
+    VerifierPlan,
+    diff_manifests,
+    manifest_of_sources,
+    plan_verifier,
+    task_tests_sources,
+)
 
 STATE_DIR = "/tmp/.t1jax"
 TMUX_SESSION = "t1jax"
 TMUX_COLUMNS, TMUX_ROWS = 160, 40
-TESTS_DIR = "/tests"
-VERIFIER_LOG_DIR = "/logs/verifier"
+VERIFIER_LOG_DIR = REPORT_DIR
 AGENT_LOG_DIR = "/logs/agent"
 DEFAULT_OUTPUT_LIMIT_BYTES = 64 * 1024
 # The verifier's console output is parsed (pytest's summary comes last): keep much more of it.
@@ -53,6 +65,8 @@ VERIFIER_OUTPUT_LIMIT_BYTES = 4 * 1024 * 1024
 # Extra wall-clock a `run` gets beyond the command's own deadline before the caller gives up on
 # the transport (the in-container watchdog should always answer first).
 TRANSPORT_GRACE_SEC = 30.0
+# What the verifier's environment starts from in a container (the task's env is added on top).
+REMOTE_BASE_ENV = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "xterm-256color"}
 
 
 @dataclass(frozen=True)
@@ -211,13 +225,28 @@ class TerminalCursor:
         )
 
 
-def tar_directory(local_dir: Path, *, extra_files: dict[str, Path] | None = None) -> bytes:
-    """An uncompressed tar of local_dir's contents (owners root, files keep their exec bits), plus
-    `extra_files` (archive name -> local file) at the top level."""
+def tar_directory(
+    local_dir: Path,
+    *,
+    extra_files: dict[str, Path] | None = None,
+    replace_files: dict[str, bytes] | None = None,
+    skip_dirs: frozenset[str] = frozenset(),
+    gzip_level: int | None = None,
+) -> bytes:
+    """A tar of local_dir's contents (owners root, modes kept, symlinks as symlinks), plus
+    `extra_files` (archive name -> local file) at the top level. `replace_files` (archive name ->
+    content, mode 0755) overrides entries; directories named in `skip_dirs` are left out."""
+    replace_files = dict(replace_files or {})
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+    mode = "w" if gzip_level is None else "w:gz"
+    options = {} if gzip_level is None else {"compresslevel": gzip_level}
+    with tarfile.open(fileobj=buffer, mode=mode, format=tarfile.PAX_FORMAT, **options) as archive:
 
-        def normalize(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        def normalize(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+            if Path(info.name).name in skip_dirs and info.isdir():
+                return None
+            if info.name in replace_files:
+                return None
             info.uid = info.gid = 0
             info.uname = info.gname = "root"
             return info
@@ -226,44 +255,42 @@ def tar_directory(local_dir: Path, *, extra_files: dict[str, Path] | None = None
             archive.add(entry, arcname=entry.name, filter=normalize)
         for name, path in (extra_files or {}).items():
             archive.add(path, arcname=name, filter=normalize)
+        for name, content in replace_files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(content), 0o755
+            archive.addfile(info, io.BytesIO(content))
     return buffer.getvalue()
 
 
-def put_tree_script(remote_dir: str, tar_size: int, *, replace: bool) -> bytes:
+def put_tree_script(remote_dir: str, tar_size: int, *, replace: bool, gzip: bool = False) -> bytes:
     q = shlex.quote
     clear = f"rm -rf {q(remote_dir)} && " if replace else ""
-    unpack = f"head -c {tar_size} | tar -xf - -C {q(remote_dir)} --no-same-owner"
+    unpack = f"head -c {tar_size} | tar -x{'z' if gzip else ''}f - -C {q(remote_dir)} --no-same-owner"
     return f"{clear}mkdir -p {q(remote_dir)} && {unpack}\n".encode()
 
 
-def checksums_script(remote_dir: str, nonce: str) -> bytes:
-    return (
-        f"cd {shlex.quote(remote_dir)} && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum; "
-        f"echo T1JAX_END_{nonce} $?\n"
-    ).encode()
+def manifest_script(remote_dir: str, nonce: str) -> bytes:
+    """Print `F <sha256>\t<path>` per file and `L <target>\t<path>` per symlink under remote_dir,
+    the same record `verifier.tests_manifest` makes on the host."""
+    return f"""
+cd {shlex.quote(remote_dir)} || exit 3
+find . \\( -type f -o -type l \\) -print | LC_ALL=C sort | while IFS= read -r entry; do
+  if [ -L "$entry" ]; then printf 'L %s\\t%s\\n' "$(readlink "$entry")" "$entry"
+  else printf 'F %s\\t%s\\n' "$(sha256sum <"$entry" | cut -d' ' -f1)" "$entry"; fi
+done
+echo T1JAX_END_{nonce} $?
+""".encode()
 
 
-def local_checksums(local_dir: Path, extra_files: dict[str, Path] | None = None) -> dict[str, str]:
-    """sha256 of every file that `tar_directory` ships, by its path in the archive."""
-    sums: dict[str, str] = {}
-    for dirpath, _, filenames in os.walk(local_dir):
-        for name in filenames:
-            path = Path(dirpath) / name
-            sums["./" + path.relative_to(local_dir).as_posix()] = hashlib.sha256(
-                path.read_bytes()
-            ).hexdigest()
-    for name, path in (extra_files or {}).items():
-        sums["./" + name] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return sums
-
-
-def parse_checksums(text: str) -> dict[str, str]:
-    sums = {}
+def parse_manifest(text: str) -> dict[str, str]:
+    manifest = {}
     for line in text.splitlines():
-        match = re.fullmatch(r"([0-9a-f]{64})  (.*)", line)
-        if match:
-            sums[match.group(2)] = match.group(1)
-    return sums
+        kind, _, rest = line.partition(" ")
+        value, tab, path = rest.partition("\t")
+        if kind not in ("F", "L") or not tab or not path.startswith("./"):
+            continue
+        manifest[path[2:]] = value if kind == "F" else "symlink:" + value
+    return manifest
 
 
 def kill_agent_script() -> bytes:
@@ -280,23 +307,50 @@ exit 0
 """.encode()
 
 
-def verifier_command(task: Task) -> tuple[str, dict[str, Path]]:
-    """The command that runs the task's verifier inside the container, and the files shipped to
-    `/tests` besides the task's tests directory (Terminal-Bench 1.x keeps run-tests.sh outside it)."""
-    if task.layout is TaskLayout.TERMINAL_BENCH_1:
-        script = task.test_script if task.test_script.is_absolute() else task.source_dir / task.test_script
-        return f"TEST_DIR={TESTS_DIR} bash {TESTS_DIR}/run-tests.sh", {"run-tests.sh": script}
-    relative = task.test_script
-    if relative.is_absolute():
-        relative = relative.relative_to(task.tests_dir)
-    return f"bash {shlex.quote(str(PurePosixPath(TESTS_DIR) / relative.as_posix()))}", {}
+# The toolchain's pytest shim for images whose python3 is not /usr/bin/python3 (python:*-slim
+# images keep it in /usr/local/bin) or predates `-P` (Python < 3.11).
+REMOTE_PYTEST_SHIM = f"""#!/bin/sh
+python=$(command -v python3 || echo /usr/bin/python3)
+if "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  exec "$python" -P -s {TOOLCHAIN_MOUNT}/run_pytest.py "$@"
+fi
+exec "$python" -s {TOOLCHAIN_MOUNT}/run_pytest.py "$@"
+""".encode()
+
+
+def remote_verifier_plan(task: Task) -> VerifierPlan:
+    """`verifier.plan_verifier` for a container: the same rule and report options as the local
+    backend, with the toolchain's python found on the container's PATH (via the shim)."""
+    env = {**REMOTE_BASE_ENV, **task.environment.env}
+    plan = plan_verifier(task, env)
+    launcher = (SANDBOX_PYTHON, "-P", "-s", f"{TOOLCHAIN_MOUNT}/run_pytest.py")
+    if plan.argv[: len(launcher)] == launcher:
+        plan = dataclasses.replace(plan, argv=(f"{TOOLCHAIN_MOUNT}/bin/pytest", *plan.argv[len(launcher) :]))
+    return plan
+
+
+def require_toolchain(directory: Path) -> Toolchain:
+    """The verifier toolchain a remote backend copies in at verify time; checked at `create` so a
+    misconfigured service fails before it starts a Pod, not after the agent's work."""
+    try:
+        return Toolchain.at(directory)
+    except ToolchainMissing as error:
+        raise BackendError(str(error)) from error
 
 
 class ContainerSandbox(abc.ABC):
     """A `Sandbox` driven through `_run`; subclasses implement `_run` and `_terminate`."""
 
-    def __init__(self, sandbox_id: str, task: Task, *, output_limit_bytes: int = DEFAULT_OUTPUT_LIMIT_BYTES):
+    def __init__(
+        self,
+        sandbox_id: str,
+        task: Task,
+        *,
+        toolchain_dir: Path,
+        output_limit_bytes: int = DEFAULT_OUTPUT_LIMIT_BYTES,
+    ):
         self._sandbox_id = sandbox_id
+        self._toolchain_dir = toolchain_dir
         self._task = task
         self.output_limit_bytes = output_limit_bytes
         self._terminal = TerminalCursor()
@@ -384,33 +438,35 @@ class ContainerSandbox(abc.ABC):
         return self._terminal.consume(output, nonce, output_limit_bytes=self.output_limit_bytes)
 
     def verify(self) -> VerifierReport:
-        """Stop the agent's processes, copy in the tests, check their checksums, run the verifier
-        under the task's verifier deadline, fetch its report files and parse them."""
+        """Stop the agent's processes, copy in the tests and the pinned pytest toolchain, check the
+        tests against the task's manifest, run the verifier (`verifier.plan_verifier`'s rule) under
+        the task's verifier deadline, fetch its report files and parse them (`reports`)."""
         if self._verified:
             raise SandboxStateError(f"verify() was already called for sandbox {self._sandbox_id}")
         self._verified = True
         task = self._task
         try:
+            toolchain = Toolchain.at(self._toolchain_dir)
+        except ToolchainMissing as error:
+            return VerifierReport((), False, FailureCause.SANDBOX_ERROR, None, None, str(error))
+        try:
             self._kill_agent()
-            command, extra_files = verifier_command(task)
+            extra_files = {name: path for path, name in task_tests_sources(task) if name != "."}
             self.put_tree(task.tests_dir, TESTS_DIR, extra_files=extra_files)
-            self._checked_run(
-                f"rm -rf {VERIFIER_LOG_DIR} && mkdir -p {VERIFIER_LOG_DIR}\n".encode(),
-                TRANSPORT_GRACE_SEC,
-                "reset logs",
+            problems = diff_manifests(manifest_of_sources(task), self.remote_manifest(TESTS_DIR))
+            if problems:
+                detail = "tests differ from the task's after copying them in: " + ", ".join(problems[:10])
+                return VerifierReport((), False, FailureCause.TESTS_TAMPERED, None, None, detail)
+            self.put_tree(
+                toolchain.directory, TOOLCHAIN_MOUNT, skip_dirs=frozenset({"__pycache__"}),
+                replace_files={"bin/pytest": REMOTE_PYTEST_SHIM}, gzip_level=6,
+            )  # fmt: skip
+            reset = (
+                f"rm -rf {VERIFIER_LOG_DIR} {VERIFIER_TMP} && mkdir -p {VERIFIER_LOG_DIR} {VERIFIER_TMP}\n"
             )
-            expected = local_checksums(task.tests_dir, extra_files)
-            found = self.remote_checksums(TESTS_DIR)
-            changed = sorted(name for name, digest in expected.items() if found.get(name) != digest)
-            if changed:
-                return VerifierReport(
-                    (),
-                    False,
-                    FailureCause.TESTS_TAMPERED,
-                    None,
-                    None,
-                    detail=f"tests differ from the task's after copying them in: {', '.join(changed[:10])}",
-                )
+            self._checked_run(reset.encode(), TRANSPORT_GRACE_SEC, "reset the verifier directories")
+            plan = remote_verifier_plan(task)
+            command = shlex.join(["env", "-i", *(f"{k}={v}" for k, v in plan.env.items()), *plan.argv])
             result = self.exec_raw(
                 command, task.limits.verifier_timeout_sec, output_limit_bytes=VERIFIER_OUTPUT_LIMIT_BYTES
             )
@@ -421,14 +477,15 @@ class ContainerSandbox(abc.ABC):
                         (Path(local_dir) / name).write_bytes(data)
                 return reports.build_report(
                     report_dir=Path(local_dir),
-                    output=result.stdout + result.stderr,
+                    output=result.stdout + "\n" + result.stderr,
                     exit_code=result.exit_code,
                     timed_out=result.timed_out,
+                    detail=plan.note,
                 )
         except SandboxClosed:
             raise
         except BackendError as error:
-            return VerifierReport((), False, FailureCause.SANDBOX_ERROR, None, None, detail=str(error))
+            return VerifierReport((), False, FailureCause.SANDBOX_ERROR, None, None, str(error))
 
     def close(self) -> None:
         with self._close_lock:
@@ -448,11 +505,19 @@ class ContainerSandbox(abc.ABC):
         remote_dir: str,
         *,
         extra_files: dict[str, Path] | None = None,
-        replace: bool = True,
+        replace_files: dict[str, bytes] | None = None,
+        skip_dirs: frozenset[str] = frozenset(),
+        gzip_level: int | None = None,
     ) -> None:
-        """Copy local_dir's contents (plus extra_files) to remote_dir via tar over exec."""
-        archive = tar_directory(local_dir, extra_files=extra_files)
-        script = put_tree_script(remote_dir, len(archive), replace=replace)
+        """Replace remote_dir with local_dir's contents (see `tar_directory`) via tar over exec."""
+        archive = tar_directory(
+            local_dir,
+            extra_files=extra_files,
+            replace_files=replace_files,
+            skip_dirs=skip_dirs,
+            gzip_level=gzip_level,
+        )
+        script = put_tree_script(remote_dir, len(archive), replace=True, gzip=gzip_level is not None)
         nonce = secrets.token_hex(8)
         script += f"echo T1JAX_END_{nonce} $?\n".encode()
         output = self._checked_run(script, 120.0 + len(archive) / 1e6, "copy files", payload=archive)
@@ -462,10 +527,12 @@ class ContainerSandbox(abc.ABC):
                 f"{output.stderr[-2000:].decode('utf-8', 'replace')}"
             )
 
-    def remote_checksums(self, remote_dir: str) -> dict[str, str]:
+    def remote_manifest(self, remote_dir: str) -> dict[str, str]:
         nonce = secrets.token_hex(8)
-        output = self._checked_run(checksums_script(remote_dir, nonce), 120.0, "checksum files")
-        return parse_checksums(output.stdout.decode("utf-8", "replace"))
+        output = self._checked_run(manifest_script(remote_dir, nonce), 120.0, "checksum files")
+        if f"T1JAX_END_{nonce} 0".encode() not in output.stdout:
+            raise BackendError(f"checksumming {remote_dir} in sandbox {self._sandbox_id} failed")
+        return parse_manifest(output.stdout.decode("utf-8", "replace"))
 
     def read_file(self, remote_path: str, max_bytes: int = 16 << 20) -> bytes | None:
         """The file's first max_bytes, or None if it does not exist (or is not a regular file)."""

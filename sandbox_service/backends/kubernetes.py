@@ -34,6 +34,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sandbox_service import wire
@@ -45,9 +46,11 @@ from sandbox_service.backends.container import (
     ContainerSandbox,
     RunOutput,
     bootstrap_argv,
+    require_toolchain,
 )
 from sandbox_service.contracts import Task
 from sandbox_service.errors import BackendError
+from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR
 
 MANAGED_BY = "t1jax-sandbox-service"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -140,6 +143,7 @@ class KubernetesConfig:
     image_pull_secrets: tuple[str, ...] = ()
     manage_network_policy: bool = True
     output_limit_bytes: int = DEFAULT_OUTPUT_LIMIT_BYTES
+    toolchain_dir: Path = DEFAULT_TOOLCHAIN_DIR  # the pinned pytest copied in at verify time
 
 
 def _api_status(error: Exception) -> int | None:
@@ -257,6 +261,7 @@ class KubernetesBackend:
     # ---- SandboxProvider ---------------------------------------------------------------------------
 
     def create(self, task: Task, *, run_id: str = "default") -> KubernetesSandbox:
+        require_toolchain(self.config.toolchain_dir)
         self._ensure_network_policy(task)
         sandbox_id = f"t1jax-sbx-{uuid.uuid4().hex[:16]}"
         pod = self.pod_manifest(task, sandbox_id=sandbox_id, run_id=run_id)
@@ -401,7 +406,12 @@ class KubernetesSandbox(ContainerSandbox):
     """One Pod. `verify()` and the other calls come from `ContainerSandbox`."""
 
     def __init__(self, backend: KubernetesBackend, pod_name: str, task: Task):
-        super().__init__(pod_name, task, output_limit_bytes=backend.config.output_limit_bytes)
+        super().__init__(
+            pod_name,
+            task,
+            toolchain_dir=backend.config.toolchain_dir,
+            output_limit_bytes=backend.config.output_limit_bytes,
+        )
         self._backend = backend
 
     def prepare(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sandbox_service.backends.container import (
@@ -33,10 +34,12 @@ from sandbox_service.backends.container import (
     ContainerSandbox,
     RunOutput,
     bootstrap_argv,
+    require_toolchain,
 )
 from sandbox_service.backends.kubernetes import KEEPALIVE_COMMAND, LABEL_RUN, LABEL_SANDBOX, LABEL_TASK
 from sandbox_service.contracts import Task
 from sandbox_service.errors import BackendError
+from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class ModalConfig:
     region: str | None = None
     deadline_margin_sec: float = 300.0  # Modal timeout = total deadline + this
     output_limit_bytes: int = DEFAULT_OUTPUT_LIMIT_BYTES
+    toolchain_dir: Path = DEFAULT_TOOLCHAIN_DIR  # the pinned pytest copied in at verify time
 
 
 class ModalBackend:
@@ -94,6 +98,7 @@ class ModalBackend:
         return {LABEL_RUN: run_id, LABEL_SANDBOX: sandbox_id, LABEL_TASK: task.task_id}
 
     def create(self, task: Task, *, run_id: str = "default") -> ModalSandbox:
+        require_toolchain(self.config.toolchain_dir)
         env = task.environment
         sandbox_id = f"t1jax-sbx-{uuid.uuid4().hex[:16]}"
         app = self.app()
@@ -142,7 +147,12 @@ class ModalBackend:
 
 class ModalSandbox(ContainerSandbox):
     def __init__(self, backend: ModalBackend, handle: Any, sandbox_id: str, task: Task):
-        super().__init__(sandbox_id, task, output_limit_bytes=backend.config.output_limit_bytes)
+        super().__init__(
+            sandbox_id,
+            task,
+            toolchain_dir=backend.config.toolchain_dir,
+            output_limit_bytes=backend.config.output_limit_bytes,
+        )
         self._handle = handle
 
     @property

@@ -8,9 +8,11 @@ and each Pod is a bubblewrap container entered with nsenter (see fake_clusters.p
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from fake_clusters import FakeKubeApiServer, wait_until
@@ -24,7 +26,11 @@ from sandbox_service.backends.kubernetes import (
     RegistryImages,
     label_value,
 )
-from sandbox_service.errors import BackendError, SandboxClosed
+from sandbox_service.contracts import FailureCause
+from sandbox_service.errors import BackendError, SandboxClosed, SandboxStateError
+from sandbox_service.tasks import load_task
+
+EXAMPLE_TASKS = Path(__file__).resolve().parents[1] / "data" / "tasks"
 
 pytestmark = pytest.mark.sandbox
 
@@ -32,17 +38,33 @@ NAMESPACE = "t1jax-test"
 
 
 @pytest.fixture
-def kube():
+def kube(toolchain_dir):
     server = FakeKubeApiServer()
     core, networking, stream = server.kube_clients()
     backend = KubernetesBackend(
-        KubernetesConfig(namespace=NAMESPACE, pod_ready_timeout_sec=20, poll_interval_sec=0.01),
+        KubernetesConfig(
+            namespace=NAMESPACE,
+            pod_ready_timeout_sec=20,
+            poll_interval_sec=0.01,
+            image_registry="registry.example/t1jax",
+            toolchain_dir=toolchain_dir,
+        ),
         core_api=core,
         networking_api=networking,
         stream_fn=stream,
     )
     yield server, backend
     server.shutdown()
+
+
+def variant(backend: KubernetesBackend, **changes) -> KubernetesBackend:
+    """The same backend (same fake cluster) with some config fields changed."""
+    return KubernetesBackend(
+        dataclasses.replace(backend.config, **changes),
+        core_api=backend.core_api,
+        networking_api=backend.networking_api,
+        stream_fn=backend._stream,
+    )
 
 
 @pytest.fixture
@@ -143,12 +165,7 @@ def test_create_exec_close_call_sequence(kube, task):
 
 def test_exec_timeout_kills_the_whole_process_group_and_keeps_head_and_tail(kube, task):
     _, backend = kube
-    with_limit = KubernetesBackend(
-        KubernetesConfig(namespace=NAMESPACE, output_limit_bytes=1000, poll_interval_sec=0.01),
-        core_api=backend.core_api,
-        networking_api=backend.networking_api,
-        stream_fn=backend._stream,
-    )
+    with_limit = variant(backend, output_limit_bytes=1000)
     sandbox = with_limit.create(task, run_id="run-1")
     try:
         slow = sandbox.exec("sleep 1234 & sleep 1234; echo never", 1.0)
@@ -194,11 +211,16 @@ def test_unpullable_image_fails_fast_and_deletes_the_pod(kube, tmp_path):
     assert server.pods == {}
 
 
-def test_pod_that_never_runs_hits_the_ready_deadline_and_is_deleted(tmp_path):
+def test_pod_that_never_runs_hits_the_ready_deadline_and_is_deleted(tmp_path, toolchain_dir):
     server = FakeKubeApiServer(pending_reads=10**9)
     core, networking, stream = server.kube_clients()
     backend = KubernetesBackend(
-        KubernetesConfig(namespace=NAMESPACE, pod_ready_timeout_sec=0.3, poll_interval_sec=0.05),
+        KubernetesConfig(
+            namespace=NAMESPACE,
+            pod_ready_timeout_sec=0.3,
+            poll_interval_sec=0.05,
+            toolchain_dir=toolchain_dir,
+        ),
         core_api=core,
         networking_api=networking,
         stream_fn=stream,
@@ -230,12 +252,7 @@ def test_reap_and_live_sandboxes_select_by_run_label(kube, task):
 
 def test_active_deadline_kills_a_pod_nobody_closed_and_reap_collects_it(kube, task):
     server, backend = kube
-    short = KubernetesBackend(
-        KubernetesConfig(namespace=NAMESPACE, deadline_margin_sec=0.0, poll_interval_sec=0.01),
-        core_api=backend.core_api,
-        networking_api=backend.networking_api,
-        stream_fn=backend._stream,
-    )
+    short = variant(backend, deadline_margin_sec=0.0)
     sandbox = short.create(with_limits(task, 1, 1, 1), run_id="crashed-run")
     # Nobody closes it (as if the controller died); the kubelet enforces activeDeadlineSeconds.
     assert wait_until(lambda: short.live_sandboxes("crashed-run") == [], timeout=30)
@@ -270,3 +287,58 @@ def test_missing_cluster_credentials_give_a_clear_error(monkeypatch):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(BackendError, match="neither an in-cluster service account nor a kubeconfig"):
         KubernetesBackend()
+
+
+def test_verify_copies_tests_and_toolchain_and_runs_the_pinned_pytest(kube):
+    """Harbor hello-world (its test.sh calls pytest): unsolved, then solved by its own solution."""
+    _, backend = kube
+    task = load_task(EXAMPLE_TASKS / "harbor" / "hello-world")
+    unsolved = backend.create(task, run_id="run-1")
+    try:
+        report = unsolved.verify()
+    finally:
+        unsolved.close()
+    assert report.parsed and report.total == 2 and report.passed == 0 and report.binary_outcome is False
+
+    solved = backend.create(task, run_id="run-1")
+    try:
+        assert solved.exec(task.solution_script.read_text(), 60).exit_code == 0
+        # A process the agent leaves behind that would rewrite the tests must not survive verify.
+        solved.exec(
+            "(while :; do echo 'def test_x(): pass' > /tests/test_outputs.py; sleep 0.01; done) &", 10
+        )
+        report = solved.verify()
+        with pytest.raises(SandboxStateError, match="already"):
+            solved.verify()
+        with pytest.raises(SandboxStateError):
+            solved.exec("true", 5)
+    finally:
+        solved.close()
+    assert report.parsed and report.failure_cause is FailureCause.NONE, report.detail
+    assert [a.name for a in report.assertions] == [
+        "test_outputs::test_hello_file_exists",
+        "test_outputs::test_hello_file_content",
+    ]
+    assert report.passed == 2 and report.binary_outcome is True and report.reward_value == 1.0
+
+
+def test_verify_terminal_bench_1_task_ships_run_tests_sh(kube):
+    """TB 1.x keeps run-tests.sh beside tests/; it downloads uv, so the pinned pytest runs instead."""
+    _, backend = kube
+    task = load_task(EXAMPLE_TASKS / "terminal-bench-1" / "hello-world")
+    sandbox = backend.create(task, run_id="run-1")
+    try:
+        sandbox.exec(task.solution_script.read_text(), 60)
+        report = sandbox.verify()
+    finally:
+        sandbox.close()
+    assert report.parsed and report.passed == report.total > 0, report.detail
+    assert "pinned pytest" in report.detail
+
+
+def test_missing_toolchain_fails_before_any_pod(kube, tmp_path):
+    server, backend = kube
+    broken = variant(backend, toolchain_dir=tmp_path / "nowhere")
+    with pytest.raises(BackendError, match="no verifier toolchain"):
+        broken.create(write_hello_task(tmp_path), run_id="run-1")
+    assert server.requests == []

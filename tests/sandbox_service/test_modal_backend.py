@@ -7,11 +7,14 @@ its API boundary and runs each sandbox as a bubblewrap container. The one test t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from fake_clusters import FakeModal, wait_until
 from task_factory import with_limits, write_hello_task
 
 from sandbox_service.backends.modal import ModalBackend, ModalConfig
+from sandbox_service.contracts import FailureCause
 from sandbox_service.errors import BackendError
 
 pytestmark = pytest.mark.sandbox
@@ -24,10 +27,14 @@ def fake_modal():
     modal.shutdown()
 
 
-def test_create_passes_image_resources_network_lifetime_and_tags(fake_modal, tmp_path):
+@pytest.fixture
+def config(toolchain_dir):
+    return ModalConfig(app_name="t1jax-test", toolchain_dir=toolchain_dir)
+
+
+def test_create_passes_image_resources_network_lifetime_and_tags(fake_modal, config, tmp_path):
     task = write_hello_task(tmp_path, env={"GREETING": "hi"})
-    config = ModalConfig(app_name="t1jax-test", deadline_margin_sec=60)
-    backend = ModalBackend(config, modal_module=fake_modal)
+    backend = ModalBackend(dataclasses.replace(config, deadline_margin_sec=60), modal_module=fake_modal)
     sandbox = backend.create(task, run_id="run-7")
     try:
         result = sandbox.exec("echo $GREETING from $(pwd); ls -d /logs/verifier", 30)
@@ -63,9 +70,9 @@ def test_create_passes_image_resources_network_lifetime_and_tags(fake_modal, tmp
     assert fake_modal.live_containers() == 0
 
 
-def test_dockerfile_task_is_built_by_modal(fake_modal, tmp_path):
+def test_dockerfile_task_is_built_by_modal(fake_modal, config, tmp_path):
     task = write_hello_task(tmp_path, docker_image=None)
-    backend = ModalBackend(modal_module=fake_modal)
+    backend = ModalBackend(config, modal_module=fake_modal)
     backend.create(task).close()
     (image_call,) = [call for call in fake_modal.calls if call.name.startswith("Image.")]
     assert image_call.name == "Image.from_dockerfile"
@@ -73,9 +80,9 @@ def test_dockerfile_task_is_built_by_modal(fake_modal, tmp_path):
     assert image_call.kwargs == {"context_dir": str(task.environment.context_dir)}
 
 
-def test_exec_timeout_and_reap_by_run_tag(fake_modal, tmp_path):
+def test_exec_timeout_and_reap_by_run_tag(fake_modal, config, tmp_path):
     task = write_hello_task(tmp_path)
-    backend = ModalBackend(modal_module=fake_modal)
+    backend = ModalBackend(config, modal_module=fake_modal)
     mine = [backend.create(task, run_id="run-A") for _ in range(2)]
     other = backend.create(task, run_id="run-B")
     try:
@@ -89,25 +96,42 @@ def test_exec_timeout_and_reap_by_run_tag(fake_modal, tmp_path):
     assert fake_modal.live_containers() == 0
 
 
-def test_modal_lifetime_ends_a_sandbox_nobody_closed(fake_modal, tmp_path):
+def test_modal_lifetime_ends_a_sandbox_nobody_closed(fake_modal, config, tmp_path):
     task = with_limits(write_hello_task(tmp_path), 1, 1, 1)
-    backend = ModalBackend(ModalConfig(deadline_margin_sec=0.0), modal_module=fake_modal)
+    backend = ModalBackend(dataclasses.replace(config, deadline_margin_sec=0.0), modal_module=fake_modal)
     backend.create(task, run_id="crashed")
     assert wait_until(lambda: backend.live_sandboxes("crashed") == [], timeout=30)
 
 
-def test_without_credentials_create_reports_auth_error_clearly(fake_modal, tmp_path):
+def test_verify_runs_the_task_verifier_in_the_modal_sandbox(fake_modal, config, tmp_path):
+    task = write_hello_task(tmp_path)
+    backend = ModalBackend(config, modal_module=fake_modal)
+    sandbox = backend.create(task, run_id="run-1")
+    try:
+        sandbox.exec("printf 'Hello, world!' > /app/hello.txt", 30)
+        report = sandbox.verify()
+    finally:
+        sandbox.close()
+    assert report.parsed and report.failure_cause is FailureCause.NONE, report.detail
+    assert [(a.name, a.passed) for a in report.assertions] == [
+        ("test_file_exists", True),
+        ("test_file_content", True),
+    ]
+    assert report.binary_outcome is True
+
+
+def test_without_credentials_create_reports_auth_error_clearly(fake_modal, config, tmp_path):
     fake_modal.authenticated = False
     with pytest.raises(BackendError, match="no Modal credentials: run `modal token new`"):
-        ModalBackend(modal_module=fake_modal).create(write_hello_task(tmp_path))
+        ModalBackend(config, modal_module=fake_modal).create(write_hello_task(tmp_path))
 
 
-def test_real_modal_package_without_credentials_raises_auth_error(tmp_path, monkeypatch):
+def test_real_modal_package_without_credentials_raises_auth_error(tmp_path, monkeypatch, config):
     """The only call into the real `modal` package: offline, with no token, App.lookup fails
     before any network traffic, and the backend names the fix."""
     monkeypatch.delenv("MODAL_TOKEN_ID", raising=False)
     monkeypatch.delenv("MODAL_TOKEN_SECRET", raising=False)
     monkeypatch.setenv("MODAL_CONFIG_PATH", str(tmp_path / "no-modal.toml"))
     with pytest.raises(BackendError, match="no Modal credentials") as raised:
-        ModalBackend().create(write_hello_task(tmp_path))
+        ModalBackend(config).create(write_hello_task(tmp_path))
     assert type(raised.value.__cause__).__name__ == "AuthError"
