@@ -44,21 +44,19 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 import tarfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandbox_service.backends import _proc
+from sandbox_service.backends._proc import DEFAULT_PATH, HolderProcess, require_tool
 from sandbox_service.contracts import SandboxError, Task, UnsupportedEnvironment
 
 BUILDER_VERSION = "1"
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # Host top-level entries a sandbox sees (read-only); every other top-level entry of the host root
 # is masked (replaced by an empty directory, or by what the task's build put there).
@@ -92,7 +90,11 @@ BUILD_CAPABILITIES = (
     "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
     "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SYS_CHROOT", "CAP_AUDIT_WRITE", "CAP_SETFCAP",
 )  # fmt: skip
-HOLDER_SCRIPT = Path(__file__).resolve().parent / "backends" / "_holder.py"
+# How the host stands in for a base image: pip may install into the system Python as it can in the
+# official python images (Debian marks its Python externally managed), and python bases get the
+# `python` command those images have.
+STAND_IN_ENV = (("PIP_BREAK_SYSTEM_PACKAGES", "1"),)
+PYTHON_BASE_COMMANDS = (("python", "/usr/bin/python3"), ("pip", "/usr/bin/pip3"))
 
 
 class EnvironmentBuildError(SandboxError):
@@ -179,7 +181,7 @@ def check_environment(task: Task) -> BuildPlan:
         reason = _base_image_problem(spec.docker_image)
         if reason:
             raise UnsupportedEnvironment(task.task_id, f"[environment].docker_image: {reason}")
-        plan = BuildPlan(base_image=spec.docker_image, steps=(), env=(), workdir="/")
+        plan = BuildPlan(base_image=spec.docker_image, steps=(), env=STAND_IN_ENV, workdir="/")
     else:
         raise UnsupportedEnvironment(task.task_id, "no Dockerfile and no docker_image")
     workdir = spec.workdir
@@ -249,9 +251,9 @@ def parse_dockerfile(
             continue
         if base is None:
             raise reject(line, f"{instruction} before FROM")
-        variables = {**args, **env}
+        variables = {"PATH": DEFAULT_PATH, **args, **env}  # the base image defines PATH
         if instruction == "ENV":
-            env.update(_parse_env(rest, variables, lambda reason: reject(line, reason)))
+            env.update(_parse_env(rest, variables, lambda reason, at=line: reject(at, reason)))
         elif instruction == "WORKDIR":
             path = _substitute(_unquote(rest.strip()), variables)
             workdir = os.path.normpath(path if path.startswith("/") else os.path.join(workdir, path))
@@ -265,7 +267,11 @@ def parse_dockerfile(
     if base is None:
         raise UnsupportedEnvironment(task_id, f"{where}: no FROM instruction")
     return BuildPlan(
-        base_image=base, steps=tuple(steps), env=tuple(env.items()), workdir=workdir, dockerfile=dockerfile
+        base_image=base,
+        steps=tuple(steps),
+        env=(*STAND_IN_ENV, *((k, v) for k, v in env.items() if k not in dict(STAND_IN_ENV))),
+        workdir=workdir,
+        dockerfile=dockerfile,
     )
 
 
@@ -373,7 +379,7 @@ def _parse_copy(instruction, rest, line, variables, workdir, context_dir, reject
             if real != context_dir and context_dir not in real.parents:
                 raise reject(line, f"{instruction} source {source!r} is outside the build context")
             resolved.append(real)
-    trailing = destination.endswith("/")
+    trailing = destination.endswith(("/", "/.")) or destination in (".", "..")
     destination = os.path.normpath(
         destination if destination.startswith("/") else os.path.join(workdir, destination)
     )
@@ -508,9 +514,9 @@ class EnvironmentBuilder:
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._masked = host_masked_top_level()
-        self._bwrap = _require_tool("bwrap")
-        self._nsenter = _require_tool("nsenter")
-        self._unshare = _require_tool("unshare")
+        self._bwrap = require_tool("bwrap")
+        self._nsenter = require_tool("nsenter")
+        self._unshare = require_tool("unshare")
 
     def cache_key(self, task: Task, plan: BuildPlan) -> str:
         digest = hashlib.sha256()
@@ -542,6 +548,8 @@ class EnvironmentBuilder:
         with self._key_lock(key), _file_lock(self.envs_dir / f"{key}.lock"):
             if (final / "env.json").is_file():
                 return BuiltEnvironment.load(final)
+            for stale in self.envs_dir.glob(f"{key}.building-*"):  # a build that died holding this lock
+                shutil.rmtree(stale, ignore_errors=True)
             staging = self.envs_dir / f"{key}.building-{uuid.uuid4().hex[:8]}"
             try:
                 self._build_into(staging, key, task, plan)
@@ -568,7 +576,7 @@ class EnvironmentBuilder:
             if is_dir:
                 (staging / "tops" / name).mkdir()
         private = {"work": workdir, **PRIVATE_DIRS}
-        holder = _Holder.start(self._unshare, _build_mounts(staging))
+        holder = HolderProcess.start(self._unshare, _build_mounts(staging))
         log = _proc.BoundedBuffer(self.log_bytes // 2, self.log_bytes // 2)
         deadline = time.monotonic() + self.build_timeout_sec
         try:
@@ -577,6 +585,8 @@ class EnvironmentBuilder:
             resolve.ensure_dir(workdir)
             for mount_point in (workdir, *PRIVATE_DIRS.values(), "/tests"):  # sandboxes bind onto these
                 resolve.mount_point(mount_point).mkdir(parents=True, exist_ok=True)
+            if _is_python_base(plan.base_image):
+                _add_python_commands(merged)
             for step in plan.steps:
                 if isinstance(step, WorkdirStep):
                     resolve.ensure_dir(step.path)
@@ -626,7 +636,13 @@ class EnvironmentBuilder:
         for name, path in sorted(private.items(), key=lambda item: item[1].count("/")):
             args += ["--bind", str(staging / "seeds" / name), path]
         args += ["--chdir", step.workdir, "--", *step.argv]
-        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": "build", **dict(step.env)}
+        env = {
+            "PATH": DEFAULT_PATH,
+            "HOME": "/root",
+            "HOSTNAME": "build",
+            **dict(STAND_IN_ENV),
+            **dict(step.env),
+        }
         result = _proc.run_captured(
             args,
             env=env,
@@ -640,7 +656,8 @@ class EnvironmentBuilder:
             why = "timed out" if result.timed_out else f"exited {result.exit_code}"
             tail = (result.stdout + result.stderr)[-2000:]
             raise EnvironmentBuildError(
-                f"task {task.task_id!r}: Dockerfile line {step.line} RUN {shlex.join(step.argv)[:200]} {why}:\n{tail}"
+                f"task {task.task_id!r}: Dockerfile line {step.line} "
+                f"RUN {shlex.join(step.argv)[:200]} {why}:\n{tail}"
             )
 
 
@@ -676,6 +693,19 @@ class _PathMapper:
         return host
 
 
+def _is_python_base(image: str) -> bool:
+    repository = image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0].lower()
+    return repository == "python" or repository.startswith("python-")
+
+
+def _add_python_commands(merged: Path) -> None:
+    for name, target in PYTHON_BASE_COMMANDS:
+        if Path(target).exists() and not any(Path(d, name).exists() for d in ("/usr/local/bin", "/usr/bin")):
+            link = merged / "usr" / "local" / "bin" / name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(target)
+
+
 def _copy_step(step: CopyStep, resolve: _PathMapper) -> None:
     into_directory = step.destination.endswith("/")
     for source in step.sources:
@@ -704,14 +734,17 @@ def _copy_step(step: CopyStep, resolve: _PathMapper) -> None:
 
 def _build_mounts(staging: Path) -> list[dict]:
     return [
-        {"op": "mount", "source": "t1jax-build-staging", "target": "/run", "fstype": "tmpfs", "options": "mode=0755,size=16m"},
+        {"op": "mount", "source": "t1jax-build-staging", "target": "/run", "fstype": "tmpfs",
+         "options": "mode=0755,size=16m"},
         {"op": "mkdir", "path": "/run/t1jax/empty", "mode": 0o555},
         {"op": "mkdir", "path": "/run/t1jax/host", "mode": 0o755},
         {"op": "mkdir", "path": "/run/t1jax/root", "mode": 0o755},
         # The host root as its own (overlay) filesystem, so the layer below never overlaps it.
-        {"op": "mount", "source": "t1jax-host", "target": "/run/t1jax/host", "fstype": "overlay", "readonly": True,
+        {"op": "mount", "source": "t1jax-host", "target": "/run/t1jax/host", "fstype": "overlay",
+         "readonly": True,
          "nosuid": False, "options": "lowerdir=/run/t1jax/empty:/"},
-        {"op": "mount", "source": "t1jax-build", "target": "/run/t1jax/root", "fstype": "overlay", "nosuid": False,
+        {"op": "mount", "source": "t1jax-build", "target": "/run/t1jax/root", "fstype": "overlay",
+         "nosuid": False,
          "options": f"lowerdir=/run/t1jax/host,upperdir={staging / 'upper'},workdir={staging / 'ovlwork'}"},
     ]  # fmt: skip
 
@@ -749,70 +782,3 @@ class _file_lock:
     def __exit__(self, *exc):
         fcntl.flock(self.handle, fcntl.LOCK_UN)
         self.handle.close()
-
-
-class _Holder:
-    """A running `_holder.py` in its own mount namespace; `stop()` ends it (and its mounts)."""
-
-    def __init__(self, proc: subprocess.Popen, reply: dict):
-        self.proc = proc
-        self.pid: int = reply["pid"]
-        self.child: dict = reply.get("child") or {}
-
-    @classmethod
-    def start(cls, unshare: str, ops: Sequence[dict], spawn: dict | None = None) -> _Holder:
-        config = json.dumps({"ops": list(ops), "spawn": spawn})
-        proc = subprocess.Popen(
-            [
-                unshare,
-                "--mount",
-                "--propagation",
-                "private",
-                "--",
-                sys.executable,
-                "-I",
-                str(HOLDER_SCRIPT),
-                config,
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env={"PATH": DEFAULT_PATH},
-        )
-        line = proc.stdout.readline()
-        try:
-            reply = json.loads(line.decode() or "{}")
-        except json.JSONDecodeError:
-            reply = {}
-        if not reply.get("ok"):
-            proc.stdin.close()
-            proc.wait()
-            stderr = proc.stderr.read().decode(errors="replace")[-2000:]
-            raise SandboxError(
-                f"sandbox holder failed: {reply.get('error') or line.decode(errors='replace')} {stderr}"
-            )
-        return cls(proc, reply)
-
-    def stop(self) -> None:
-        if self.proc.stdin and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream:
-                stream.close()
-
-
-def _require_tool(name: str) -> str:
-    path = shutil.which(name, path=DEFAULT_PATH)
-    if path is None:
-        raise SandboxError(
-            f"the local sandbox backend needs `{name}` on the host (apt-get install bubblewrap util-linux)"
-        )
-    return path

@@ -54,9 +54,14 @@ class SandboxCgroups:
         self.paths = {controller: Path(path) for controller, path in paths.items()}
 
     @classmethod
+    def planned(cls, name: str) -> SandboxCgroups:
+        """The groups `create(name, ...)` makes (not created yet), e.g. to record them first."""
+        return cls({controller: parent_dir(controller) / name for controller in CONTROLLERS})
+
+    @classmethod
     def create(cls, name: str, *, memory_bytes: int, pids_max: int, cpus: float) -> SandboxCgroups:
-        paths = {controller: parent_dir(controller) / name for controller in CONTROLLERS}
-        groups = cls(paths)
+        groups = cls.planned(name)
+        paths = groups.paths
         try:
             for path in paths.values():
                 path.mkdir(parents=True, exist_ok=False)
@@ -142,6 +147,15 @@ class SandboxCgroups:
             result["pids_max_events"] = int(events[1]) if len(events) > 1 else 0
             result["pids_current"] = int(_read(pids / "pids.current") or 0)
         return result
+
+
+def remove_parents_if_empty() -> None:
+    """Remove this process's `t1jax-sandboxes` groups when no sandbox group is left in them."""
+    for controller in CONTROLLERS:
+        try:
+            parent_dir(controller).rmdir()
+        except (OSError, CgroupUnavailable):
+            continue
 
 
 def _write(path: Path, value: object) -> None:

@@ -1,10 +1,17 @@
-"""Mount-namespace keeper: the root-side process that owns one sandbox's (or one build's) mounts.
+"""Mount-namespace keeper and reaper: the root-side parent of a sandbox's (or a build's) processes.
 
 Run as `unshare --mount --propagation private -- python -I _holder.py CONFIG_JSON` by the local
 backend and the environment builder. It performs the listed filesystem operations in its private
 mount namespace, optionally spawns one child (the sandbox's init `bwrap`) into given cgroups under an
 unprivileged uid, prints one JSON line (`{"ok": true, "pid": ..., "child": {...}}` or
 `{"ok": false, "error": ...}`) and then waits until its stdin reaches EOF.
+
+`python -I _holder.py --reap-exec PROCS... -- ARGV...` is the short-lived variant used for the
+verifier: it runs ARGV (joined to the cgroups whose `cgroup.procs` files are PROCS) with inherited
+stdio and exits with its status.
+
+Both are child subreapers: bwrap's in-sandbox init outlives bwrap's outer process, so without a
+subreaper it would become a zombie of the host's pid 1, which may never reap it.
 
 Invariants:
 - Nothing it mounts is visible outside its mount namespace, so every mount disappears when the
@@ -19,10 +26,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
 MS_RDONLY = 1
 MS_NOSUID = 2
@@ -30,6 +39,7 @@ MS_NODEV = 4
 MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
+PR_SET_CHILD_SUBREAPER = 36
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -39,6 +49,28 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     if _libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"mount {fstype or 'bind'} {source} -> {target} ({data}): {os.strerror(errno)}")
+
+
+def _become_subreaper() -> None:
+    if _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def _reap_exited() -> None:
+    """Collect every exited child (including orphans handed to us as subreaper) without blocking."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _join_cgroups(procs_files) -> None:
+    for procs in procs_files:
+        with open(procs, "w") as handle:
+            handle.write(str(os.getpid()))
 
 
 def _chown_tree(path: str, uid: int, gid: int) -> None:
@@ -90,14 +122,13 @@ def _spawn(spec: dict) -> tuple[subprocess.Popen, dict]:
     info_read, info_write = os.pipe()
     ready_read, ready_write = os.pipe()
     argv = [
-        arg.replace("{info_fd}", str(info_write)).replace("{ready_fd}", str(ready_write)) for arg in spec["argv"]
+        arg.replace("{info_fd}", str(info_write)).replace("{ready_fd}", str(ready_write))
+        for arg in spec["argv"]
     ]
     uid, gid = spec.get("uid"), spec.get("gid")
 
     def enter_cgroups_and_drop_privileges() -> None:
-        for procs in spec.get("cgroup_procs", []):
-            with open(procs, "w") as handle:
-                handle.write(str(os.getpid()))
+        _join_cgroups(spec.get("cgroup_procs", []))
         if gid is not None:
             os.setgroups([])
             os.setresgid(gid, gid, gid)
@@ -126,17 +157,75 @@ def _spawn(spec: dict) -> tuple[subprocess.Popen, dict]:
         info_json = {}
     if ready_line.strip() != b"ready":
         info_json.pop("child-pid", None)
+    elif "child-pid" in info_json:
+        info_json["start-time"] = _start_time(info_json["child-pid"])
     return child, info_json
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return int(handle.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _kill_sandbox(spec: dict, child: subprocess.Popen | None, child_info: dict) -> None:
+    """SIGKILL the sandbox's pid-namespace init (the kernel then kills the whole namespace), bwrap
+    itself, and anything left in its cgroups: bwrap's --die-with-parent alone does not reach a
+    namespace init whose credentials changed."""
+    init_pid = child_info.get("child-pid")
+    if init_pid and _start_time(init_pid) == child_info.get("start-time"):  # not a reused pid
+        os.kill(init_pid, signal.SIGKILL)
+    if child is not None and child.poll() is None:
+        child.kill()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        members = set()
+        for procs in spec.get("cgroup_procs", []):
+            try:
+                with open(procs) as handle:
+                    members.update(int(line) for line in handle.read().split())
+            except OSError:
+                continue
+        if not members:
+            break
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _reap_exited()
+        time.sleep(0.01)
+    if child is not None:
+        child.wait()
+
+
+def reap_exec(args: list[str]) -> int:
+    separator = args.index("--")
+    procs_files, argv = args[:separator], args[separator + 1 :]
+    _become_subreaper()
+    child = subprocess.Popen(argv, preexec_fn=lambda: _join_cgroups(procs_files))
+    status = child.wait()
+    while True:  # orphans of the child (its namespace's init) are ours now
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+    return status if status >= 0 else 128 - status
 
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the service's group must not orphan mounts
+    if sys.argv[1] == "--reap-exec":
+        return reap_exec(sys.argv[2:])
+    _become_subreaper()
     config = json.loads(sys.argv[1])
     child = None
+    child_info: dict = {}
     try:
         for op in config.get("ops", []):
             _apply(op)
-        child_info: dict = {}
         if config.get("spawn"):
             child, child_info = _spawn(config["spawn"])
             if "child-pid" not in child_info:
@@ -149,10 +238,20 @@ def main() -> int:
         if child is not None and child.poll() is None:
             child.kill()
         return 1
-    sys.stdin.buffer.read()  # block until the service closes our stdin (or dies)
-    if child is not None and child.poll() is None:
-        child.kill()
-        child.wait()
+    stdin = sys.stdin.buffer.raw
+    while True:  # until the service closes our stdin (or dies), reaping orphans as they come
+        readable, _, _ = select.select([stdin], [], [], 0.2)
+        _reap_exited()
+        if readable and not stdin.read(4096):
+            break
+    _kill_sandbox(config.get("spawn") or {}, child, child_info)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                time.sleep(0.01)
+        except ChildProcessError:
+            break
     return 0
 
 

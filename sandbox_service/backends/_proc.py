@@ -1,4 +1,7 @@
-"""Host-side process helpers for the local backend: bounded output capture, session kill, pid identity.
+"""Host-side process helpers for the local backend and the environment builder.
+
+Bounded output capture, session kill, pid identity, the client side of a `_holder.py` process
+(`HolderProcess`) and the check for required host tools.
 
 Invariants:
 - `run_captured` never holds more than `head_bytes + tail_bytes` of each stream in memory; what it
@@ -12,13 +15,22 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from sandbox_service.contracts import SandboxError
+
+HOLDER_SCRIPT = Path(__file__).resolve().parent / "_holder.py"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @dataclass(frozen=True)
@@ -153,9 +165,12 @@ def _stat_fields(pid: int) -> list[str] | None:
     return raw[raw.rfind(")") + 2 :].split()
 
 
-def pid_start_time(pid: int) -> int | None:
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields else None  # field 22 of stat(5), counted after the name
+def pid_start_time(pid: int | None) -> int | None:
+    """Start time of a live (non-zombie) process, None if it is gone or a zombie."""
+    fields = _stat_fields(pid) if pid is not None else None
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])  # field 22 of stat(5), counted after the name
 
 
 def session_members(session_id: int) -> list[int]:
@@ -191,3 +206,70 @@ def kill_if_same(pid: int | None, start_time: int | None) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+class HolderProcess:
+    """A running `_holder.py` in its own mount namespace; `stop()` ends it (and its mounts)."""
+
+    def __init__(self, proc: subprocess.Popen, reply: dict):
+        self.proc = proc
+        self.pid: int = reply["pid"]
+        self.child: dict = reply.get("child") or {}
+
+    @classmethod
+    def start(cls, unshare: str, ops: Sequence[dict], spawn: dict | None = None) -> HolderProcess:
+        config = json.dumps({"ops": list(ops), "spawn": spawn})
+        proc = subprocess.Popen(
+            [
+                unshare,
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                sys.executable,
+                "-I",
+                str(HOLDER_SCRIPT),
+                config,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={"PATH": DEFAULT_PATH},
+        )
+        line = proc.stdout.readline()
+        try:
+            reply = json.loads(line.decode() or "{}")
+        except json.JSONDecodeError:
+            reply = {}
+        if not reply.get("ok"):
+            proc.stdin.close()
+            proc.wait()
+            stderr = proc.stderr.read().decode(errors="replace")[-2000:]
+            raise SandboxError(
+                f"sandbox holder failed: {reply.get('error') or line.decode(errors='replace')} {stderr}"
+            )
+        return cls(proc, reply)
+
+    def stop(self) -> None:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                stream.close()
+
+
+def require_tool(name: str) -> str:
+    path = shutil.which(name, path=DEFAULT_PATH)
+    if path is None:
+        raise SandboxError(
+            f"the local sandbox backend needs `{name}` on the host (apt-get install bubblewrap util-linux)"
+        )
+    return path

@@ -5,54 +5,60 @@ sandboxes with bubblewrap, Linux namespaces and cgroup v1, without Docker.
 
 Isolation design (one sandbox):
 - Identity. The sandbox runs in its own user namespace in which uid/gid 0 is mapped to one
-  unprivileged host uid/gid N picked for this sandbox (`bwrap --unshare-user --uid 0`, bwrap run as
-  N). Inside, commands look like root and own their files; on the host they are uid N, so every
-  host file they see is owned by an unmapped user: mode-600 files such as /etc/shadow are
-  unreadable, and nothing can be written without an explicit writable mount. All capabilities
-  are dropped (bwrap for its child; `setpriv --bounding-set=-all --no-new-privs` for each command
-  entered with nsenter), so setuid binaries gain nothing and mounts cannot be changed.
+  unprivileged host uid/gid N picked for this sandbox (bwrap runs as N with `--unshare-user
+  --uid 0`). Inside, commands look like root and own their files; on the host they are uid N, so
+  every host file they can see belongs to an unmapped user: mode-600 files such as /etc/shadow are
+  unreadable, and nothing is writable without an explicit writable mount. All capabilities are
+  dropped (bwrap for its child; `setpriv --bounding-set=-all --no-new-privs` for each command
+  entered with nsenter), so setuid binaries gain nothing and mounts cannot be changed. Nested user
+  namespaces are not blocked (no seccomp filter here; bwrap's --disable-userns would also stop
+  nsenter from entering the sandbox's other namespaces).
 - Namespaces. Own pid namespace (`ps` shows only the sandbox; other sandboxes' and the host's
   processes cannot be signalled or even named), ipc, uts (hostname `sandbox`), mount, and a network
   namespace holding only loopback unless the task allows internet *and* the backend was created
   with `allow_internet=True` (then the host network namespace is shared).
 - Filesystem. A holder process (`_holder.py`, root, in a private mount namespace of its own) builds
-  a staging tree under a tmpfs on `/run`: the root view is a read-only overlay of the built
+  a staging tree under a tmpfs on `/run`: the root view is a read-only overlay of the task's built
   environment layer over an overlay of the host root (`envbuild`), so only the root filesystem's
-  own content is visible (no host submounts such as /sys/fs/cgroup). Host top-level directories
-  outside bin/sbin/lib*/usr/etc/opt/var (e.g. /root, /home, /work with the repository, /srv, /mnt,
-  the service's cache) are replaced by empty read-only directories (or by what the task's build
-  put there). Writable, and private to the sandbox: the task workdir (e.g. /app, seeded from the
-  build), /root, /tmp, /var/tmp and /logs - all on one tmpfs of the task's `storage_mb` (the
-  disk cap; its pages are also charged to the sandbox's memory cgroup) - plus small tmpfs /run and
+  own content is visible (no host submounts such as /sys/fs/cgroup or /proc). Host top-level
+  entries outside bin/sbin/lib*/usr/etc/opt/var (e.g. /root, /home, /work with the repository,
+  /srv, /mnt, the service's cache) are replaced by empty read-only ones (or by what the task's
+  build put there). Writable and private to the sandbox: the task workdir (e.g. /app, seeded from
+  the build), /root, /tmp, /var/tmp and /logs - all on one tmpfs of the task's `storage_mb` (the
+  disk cap; its pages also count against the sandbox's memory limit) - plus 64 MiB tmpfs /run and
   /dev/shm. /tests exists but is an empty read-only directory while the agent runs.
 - Resources. One cgroup per controller (memory, pids, freezer, cpu) per sandbox, nested under the
   service's own cgroup: memory limit = task `memory_mb` (memory+swap too where available),
   `pids.max` = backend `pids_max`, CPU quota = task `cpus`. Every process of the sandbox joins them
-  before exec; no cgroupfs is mounted inside, so nothing can leave.
-- Processes. The holder spawns the sandbox's init (`bwrap ... sleep infinity`, `--die-with-parent`)
-  into the cgroups. Each `exec` is a fresh `bash -lc` entered into the init's namespaces with
-  nsenter (same pid namespace, mounts, network, cgroups), run in its own session; at the command's
-  deadline the whole session is killed. Background processes the command started survive until
-  `verify`/`close` (like a container), unless they outlive the trial deadline.
+  before it execs; no cgroupfs is mounted inside, so nothing can leave.
+- Processes. The holder spawns the sandbox's init (`bwrap ... sleep infinity`) into the cgroups and
+  waits until it reports ready (bwrap announces its pid before its mounts are done). Each `exec` is
+  a fresh `bash -lc` entered into the init's namespaces with nsenter (same pid namespace, mounts,
+  network, cgroups) in its own session; at the command's deadline the whole session is killed.
+  Background processes a command starts survive until `verify`/`close` (as in a container) or the
+  trial deadline. The holder is a child subreaper, so bwrap's namespace init never ends up a
+  zombie of the host's pid 1.
 - Interactive terminal. `send_keys` drives a tmux server started inside the sandbox (entered the
   same way as `exec`), so typed commands are isolated exactly like `exec`.
 - Verification. `verify` SIGKILLs the sandbox's pid-namespace init and sweeps the cgroups (freeze,
   kill, thaw), so nothing the agent started survives; copies the task's tests into a fresh
-  directory in the holder's staging tree (which the agent never had mounted), checks them against
-  the checksums taken at `create`, and runs the verifier as a new bwrap sandbox (new namespaces,
-  same filesystem view, /tests read-only, a fresh /logs/verifier, the pinned pytest toolchain
-  read-only) under its own deadline. See `sandbox_service.verifier` for what it executes.
+  directory of the holder's staging tree (never mounted in the agent's view), checks them against
+  the checksums taken at `create`, replaces /logs/verifier with a fresh directory, and runs the
+  verifier as a new bwrap sandbox (new namespaces, same filesystem view, /tests read-only, the
+  pinned pytest toolchain read-only) under its own deadline. `sandbox_service.verifier` says what
+  it executes; `sandbox_service.reports` how its report is read.
 - Reclamation. `close` kills the cgroups' members, ends the holder (its mount namespace, and with
-  it the tmpfs and overlays, disappears), removes the cgroups and the state directory. If the
-  service dies, holders see EOF on stdin and kill their sandboxes; `reap` removes what is left
-  (state directories record pids with start times, cgroup paths and the run id).
+  it every tmpfs and overlay of the sandbox, disappears), removes the cgroups and the state
+  directory. If the service dies, each holder sees EOF on its stdin and kills its sandbox by
+  itself; `reap` then removes the leftover cgroups and state (state records hold pids with start
+  times, cgroup paths and the run id).
 
 Invariants:
 - `LocalBackend` is safe to use from many threads; each `LocalSandbox` serializes its lifecycle
   transitions (exec may run concurrently with exec, never with verify or close).
 - After `close` (or `reap`) no process, cgroup, mount or state directory of the sandbox remains.
 - `create` raises `UnsupportedEnvironment` before starting any process if the task's environment
-  is outside the Dockerfile subset, and never leaves anything behind when it fails.
+  is outside the Dockerfile subset, and leaves nothing behind when it fails.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ import os
 import random
 import shutil
 import stat
+import sys
 import threading
 import time
 import uuid
@@ -70,7 +77,8 @@ from enum import Enum
 from pathlib import Path
 
 from sandbox_service.backends import _proc
-from sandbox_service.backends._cgroup import SandboxCgroups
+from sandbox_service.backends._cgroup import SandboxCgroups, remove_parents_if_empty
+from sandbox_service.backends._proc import DEFAULT_PATH, HOLDER_SCRIPT, HolderProcess, require_tool
 from sandbox_service.contracts import (
     ExecResult,
     FailureCause,
@@ -82,12 +90,9 @@ from sandbox_service.contracts import (
     VerifierReport,
 )
 from sandbox_service.envbuild import (
-    DEFAULT_PATH,
     PRIVATE_DIRS,
     BuiltEnvironment,
     EnvironmentBuilder,
-    _Holder,
-    _require_tool,
     check_environment,
     host_masked_top_level,
 )
@@ -133,6 +138,9 @@ class LocalBackend:
     the verifier toolchain (`verifier-toolchain/`, created by `python -m sandbox_service.verifier
     --setup`). `allow_internet=False` keeps every sandbox off the network whatever its task says;
     `build_network` lets Dockerfile RUN steps reach package registries.
+
+    Needs root on a host with cgroup v1 memory/pids/freezer/cpu controllers, bubblewrap >= 0.8 and
+    util-linux (nsenter, setpriv, unshare); `send_keys` needs tmux in the environment.
     """
 
     def __init__(
@@ -157,10 +165,13 @@ class LocalBackend:
         self.max_output_bytes = max_output_bytes
         self.terminal_read_bytes = terminal_read_bytes
         self.run_tmpfs_mb = run_tmpfs_mb
-        self.builder = EnvironmentBuilder(self.cache_dir, network=build_network, build_timeout_sec=build_timeout_sec)
-        self.tools = {name: _require_tool(name) for name in ("bwrap", "nsenter", "setpriv", "unshare", "tmux")}
+        self.builder = EnvironmentBuilder(
+            self.cache_dir, network=build_network, build_timeout_sec=build_timeout_sec
+        )
+        self.tools = {name: require_tool(name) for name in ("bwrap", "nsenter", "setpriv", "unshare")}
         self.masked_top_level = host_masked_top_level()
         self._sandboxes: dict[str, LocalSandbox] = {}
+        self._creating: dict[str, LocalSandbox] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._watchdog = threading.Thread(
@@ -183,17 +194,35 @@ class LocalBackend:
             toolchain = Toolchain.at(self.toolchain_dir)
         except ToolchainMissing as error:
             raise SandboxError(str(error)) from error
-        sandbox = LocalSandbox._start(self, task, environment, toolchain, run_id, self._allocate_uid())
+        sandbox = LocalSandbox(self, task, environment, run_id, self._allocate_uid())
         with self._lock:
-            self._sandboxes[sandbox.sandbox_id] = sandbox
+            self._creating[sandbox.sandbox_id] = sandbox
+        launched = False
+        try:
+            sandbox._launch(toolchain)
+            launched = True
+        finally:
+            with self._lock:
+                del self._creating[sandbox.sandbox_id]
+                if launched:
+                    self._sandboxes[sandbox.sandbox_id] = sandbox
         return sandbox
 
     def live_sandboxes(self, run_id: str | None = None) -> list[str]:
-        """Ids of sandboxes with state on this host (this process's or a dead one's), optionally of one run."""
-        return [meta["sandbox_id"] for meta in self._state_records() if run_id is None or meta.get("run_id") == run_id]
+        """Ids of sandboxes with state under this cache dir (this process's or a dead one's), of `run_id`."""
+        return [
+            meta["sandbox_id"]
+            for meta in self._state_records()
+            if run_id is None or meta.get("run_id") == run_id
+        ]
 
     def reap(self, run_id: str | None = None) -> list[str]:
-        """Kill and remove every sandbox left behind (of `run_id`, or all); return their ids."""
+        """Kill and remove the sandboxes left behind (of `run_id`, or all); return their ids.
+
+        That is every sandbox this backend created and has not closed, and every sandbox under this
+        cache dir whose owning process is gone. Sandboxes of another live process sharing the cache
+        dir (their holder is alive) and sandboxes still being created here are left alone.
+        """
         reaped = []
         for meta in self._state_records():
             if run_id is not None and meta.get("run_id") != run_id:
@@ -201,8 +230,11 @@ class LocalBackend:
             sandbox_id = meta["sandbox_id"]
             with self._lock:
                 sandbox = self._sandboxes.get(sandbox_id)
+                creating = sandbox_id in self._creating
             if sandbox is not None:
                 sandbox.close()
+            elif creating or _holder_alive(meta):
+                continue
             else:
                 _reap_record(self.state_dir / sandbox_id, meta)
             reaped.append(sandbox_id)
@@ -215,6 +247,7 @@ class LocalBackend:
             sandboxes = list(self._sandboxes.values())
         for sandbox in sandboxes:
             sandbox.close()
+        remove_parents_if_empty()
 
     def __enter__(self) -> LocalBackend:
         return self
@@ -230,7 +263,7 @@ class LocalBackend:
 
     def _allocate_uid(self) -> int:
         with self._lock:
-            used = {s.uid for s in self._sandboxes.values()}
+            used = {s.uid for s in (*self._sandboxes.values(), *self._creating.values())}
         while True:
             uid = UID_BASE + random.randrange(UID_SPAN)
             if uid not in used:
@@ -260,7 +293,9 @@ class LocalBackend:
 class LocalSandbox:
     """One live trial sandbox of a `LocalBackend` (see the `Sandbox` protocol for the lifecycle)."""
 
-    def __init__(self, backend: LocalBackend, task: Task, environment: BuiltEnvironment, run_id: str, uid: int):
+    def __init__(
+        self, backend: LocalBackend, task: Task, environment: BuiltEnvironment, run_id: str, uid: int
+    ):
         self._backend = backend
         self._task = task
         self._environment = environment
@@ -271,7 +306,7 @@ class LocalSandbox:
         self._lock = threading.Lock()
         self._active_execs = 0
         self._idle = threading.Condition(self._lock)
-        self._holder: _Holder | None = None
+        self._holder: HolderProcess | None = None
         self.cgroups: SandboxCgroups | None = None
         self.init_pid: int | None = None
         self._init_start: int | None = None
@@ -284,6 +319,7 @@ class LocalSandbox:
         self.total_deadline = self.created_at + task.limits.total_timeout_sec
         self.state_path = backend.state_dir / self._id
         self.env = _sandbox_env(task, environment)
+        self._network_shared = task.environment.allow_internet and backend.allow_internet
 
     # -- Sandbox protocol -------------------------------------------------------------------------
 
@@ -305,10 +341,15 @@ class LocalSandbox:
             run = self._run_inside(["/bin/bash", "-lc", command], timeout)
         finally:
             self._end_agent_call()
+        exit_code = run.exit_code
+        if (
+            exit_code is not None and exit_code < 0
+        ):  # nsenter re-raises a fatal signal: report it as a shell does
+            exit_code = 128 - exit_code
         return ExecResult(
             stdout=run.stdout,
             stderr=run.stderr,
-            exit_code=run.exit_code,
+            exit_code=exit_code,
             timed_out=run.timed_out,
             duration_sec=run.duration_sec,
             stdout_omitted_bytes=run.stdout_omitted_bytes,
@@ -346,7 +387,9 @@ class LocalSandbox:
         try:
             return self._verify()
         except Exception as error:  # a bug or host failure, not something the agent did
-            return VerifierReport((), False, FailureCause.SANDBOX_ERROR, None, None, f"{type(error).__name__}: {error}")
+            return VerifierReport(
+                (), False, FailureCause.SANDBOX_ERROR, None, None, f"{type(error).__name__}: {error}"
+            )
         finally:
             with self._lock:
                 if self._state == _State.VERIFYING:
@@ -363,47 +406,40 @@ class LocalSandbox:
 
     # -- lifecycle internals ------------------------------------------------------------------------
 
-    @classmethod
-    def _start(
-        cls, backend: LocalBackend, task: Task, environment: BuiltEnvironment, toolchain: Toolchain, run_id: str, uid: int
-    ) -> LocalSandbox:
-        sandbox = cls(backend, task, environment, run_id, uid)
+    def _launch(self, toolchain: Toolchain) -> None:
+        """Record, limit and start the sandbox; on any failure undo everything and re-raise."""
+        task, backend = self._task, self._backend
         try:
-            sandbox._tests_manifest = manifest_of_sources(task)
-            sandbox.state_path.mkdir(parents=True)
-            sandbox._write_meta()
+            self._tests_manifest = manifest_of_sources(task)
+            self.state_path.mkdir(parents=True)
+            self.cgroups = SandboxCgroups.planned(self._id)  # recorded before they exist
+            self._write_meta()
             spec = task.environment
-            sandbox.cgroups = SandboxCgroups.create(
-                sandbox._id, memory_bytes=spec.memory_mb << 20, pids_max=backend.pids_max, cpus=spec.cpus
+            self.cgroups = SandboxCgroups.create(
+                self._id, memory_bytes=spec.memory_mb << 20, pids_max=backend.pids_max, cpus=spec.cpus
             )
-            sandbox._write_meta()
+            init_command = "echo ready >&{ready_fd}; exec {ready_fd}>&-; exec /bin/sleep infinity"
             spawn = {
                 "argv": [
                     backend.tools["bwrap"],
-                    *sandbox._bwrap_args(verifier=False),
-                    "--info-fd",
-                    "{info_fd}",
-                    "--",
-                    "/bin/sh",
-                    "-c",
-                    "echo ready >&{ready_fd}; exec {ready_fd}>&-; exec /bin/sleep infinity",
+                    *self._bwrap_args(verifier=False),
+                    *("--info-fd", "{info_fd}", "--", "/bin/sh", "-c", init_command),
                 ],
-                "env": sandbox.env,
-                "uid": uid,
-                "gid": uid,
-                "cgroup_procs": sandbox.cgroups.procs_files,
+                "env": self.env,
+                "uid": self.uid,
+                "gid": self.uid,
+                "cgroup_procs": self.cgroups.procs_files,
             }
-            sandbox._holder = _Holder.start(backend.tools["unshare"], sandbox._holder_ops(toolchain), spawn)
-            sandbox.init_pid = sandbox._holder.child["child-pid"]
-            sandbox._init_start = _proc.pid_start_time(sandbox.init_pid)
-            sandbox._write_meta()
+            self._holder = HolderProcess.start(backend.tools["unshare"], self._holder_ops(toolchain), spawn)
+            self.init_pid = self._holder.child["child-pid"]
+            self._init_start = _proc.pid_start_time(self.init_pid)
+            self._write_meta()
         except BaseException:
-            sandbox._release()
+            self._release()
             raise
-        sandbox.created_at = time.monotonic()  # deadlines count from a running sandbox, not the build
-        sandbox.agent_deadline = sandbox.created_at + task.limits.agent_timeout_sec
-        sandbox.total_deadline = sandbox.created_at + task.limits.total_timeout_sec
-        return sandbox
+        self.created_at = time.monotonic()  # deadlines count from a running sandbox, not the build
+        self.agent_deadline = self.created_at + task.limits.agent_timeout_sec
+        self.total_deadline = self.created_at + task.limits.total_timeout_sec
 
     def _write_meta(self) -> None:
         holder = self._holder
@@ -444,7 +480,9 @@ class LocalSandbox:
                  "options": f"lowerdir={environment.upper}:{STAGING}/host"}
             )  # fmt: skip
         else:
-            ops.append({"op": "bind", "source": f"{STAGING}/host", "target": f"{STAGING}/root", "readonly": True})
+            ops.append(
+                {"op": "bind", "source": f"{STAGING}/host", "target": f"{STAGING}/root", "readonly": True}
+            )
         inodes = max(16384, spec.storage_mb * 64)
         ops.append(
             {"op": "mount", "source": f"t1jax-disk-{self._id}", "target": disk, "fstype": "tmpfs",
@@ -455,21 +493,32 @@ class LocalSandbox:
             ops.append({"op": "mkdir", "path": f"{disk}/{name}", "mode": mode, "uid": uid, "gid": uid})
             seed = environment.seeds.get(name)
             if seed is not None and seed.is_dir() and any(seed.iterdir()):
-                ops.append({"op": "copy", "source": str(seed), "target": f"{disk}/{name}", "uid": uid, "gid": uid})
+                ops.append(
+                    {"op": "copy", "source": str(seed), "target": f"{disk}/{name}", "uid": uid, "gid": uid}
+                )
         for sub in ("agent", "artifacts", "verifier"):
             ops.append({"op": "mkdir", "path": f"{disk}/logs/{sub}", "mode": 0o755, "uid": uid, "gid": uid})
         for name, path in sorted(environment.masked_tops.items()):
             ops.append({"op": "mkdir", "path": f"{STAGING}/tops/{name}", "mode": 0o755})
-            ops.append({"op": "bind", "source": str(path), "target": f"{STAGING}/tops/{name}", "readonly": True})
+            ops.append(
+                {"op": "bind", "source": str(path), "target": f"{STAGING}/tops/{name}", "readonly": True}
+            )
         ops.append({"op": "mkdir", "path": f"{STAGING}/toolchain", "mode": 0o755})
-        ops.append({"op": "bind", "source": str(toolchain.directory), "target": f"{STAGING}/toolchain", "readonly": True})
+        ops.append(
+            {
+                "op": "bind",
+                "source": str(toolchain.directory),
+                "target": f"{STAGING}/toolchain",
+                "readonly": True,
+            }
+        )
         ops.append({"op": "mkdir", "path": f"{STAGING}/verify", "mode": 0o755})
         return ops
 
     def _bwrap_args(self, *, verifier: bool) -> list[str]:
         """bwrap arguments for the agent's init or the verifier; paths are in the holder's staging tree."""
         spec = self._task.environment
-        network = spec.allow_internet and self._backend.allow_internet
+        network = self._network_shared
         run_size = str(self._backend.run_tmpfs_mb << 20)
         args = [
             "--unshare-user", "--uid", "0", "--gid", "0",
@@ -506,7 +555,9 @@ class LocalSandbox:
             raise SandboxLifecycleError(f"sandbox {self._id} is closed")
         if self._state == _State.EXPIRED:
             limit = self._task.limits.total_timeout_sec
-            raise SandboxDeadlineExpired(f"sandbox {self._id}: trial deadline ({limit:.0f} s) passed", "total")
+            raise SandboxDeadlineExpired(
+                f"sandbox {self._id}: trial deadline ({limit:.0f} s) passed", "total"
+            )
 
     def _begin_agent_call(self, timeout_sec: float) -> float:
         """Admit an agent call; returns its timeout clamped to the agent deadline."""
@@ -517,9 +568,13 @@ class LocalSandbox:
             remaining = self.agent_deadline - time.monotonic()
             if remaining <= 0:
                 limit = self._task.limits.agent_timeout_sec
-                raise SandboxDeadlineExpired(f"sandbox {self._id}: agent deadline ({limit:.0f} s) passed", "agent")
+                raise SandboxDeadlineExpired(
+                    f"sandbox {self._id}: agent deadline ({limit:.0f} s) passed", "agent"
+                )
             if _proc.pid_start_time(self.init_pid) != self._init_start:
-                raise SandboxLifecycleError(f"sandbox {self._id}: its init process is gone (killed from inside?)")
+                raise SandboxLifecycleError(
+                    f"sandbox {self._id}: its init process is gone (killed from inside?)"
+                )
             self._active_execs += 1
             return min(max(0.0, timeout_sec), remaining)
 
@@ -532,13 +587,16 @@ class LocalSandbox:
         """Run `argv` inside the running sandbox's namespaces and cgroups, as the sandbox's root
         with no capabilities; kill its session at the deadline."""
         tools = self._backend.tools
+        # With a shared (host) network namespace there is nothing to enter, and nothing we may enter.
+        net = [] if self._network_shared else ["-n"]
         command = [
             "/bin/sh", "-c", _JOIN_CGROUPS, "sh", *self.cgroups.procs_files, "--",
             tools["setpriv"], "--reuid", str(self.uid), "--regid", str(self.uid), "--clear-groups",
-            tools["nsenter"], "-t", str(self.init_pid), "-U", "-m", "-p", "-n", "-i", "-u", "-r",
+            tools["nsenter"], "-t", str(self.init_pid), "-U", "-m", "-p", *net, "-i", "-u", "-r",
             f"--wdns={self._task.environment.workdir}",
             "--preserve-credentials", "--",
-            "/usr/bin/setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs",
+            "/usr/bin/setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all",
+            "--no-new-privs",
             "--", *argv,
         ]  # fmt: skip
         half = self._backend.max_output_bytes // 2
@@ -578,29 +636,46 @@ class LocalSandbox:
     # -- terminal ---------------------------------------------------------------------------------
 
     def _tmux(self, commands: list[list[str]], timeout_sec: float = 10.0):
-        argv = [self._backend.tools["tmux"], "-S", TMUX_SOCKET]
+        argv = ["tmux", "-S", TMUX_SOCKET]  # the sandbox's own tmux (its PATH, its root view)
         for index, command in enumerate(commands):
             argv += ([";"] if index else []) + command
         run = self._run_inside(argv, timeout_sec)
         if run.exit_code != 0:
-            raise SandboxError(f"sandbox {self._id}: tmux {commands[0][0]} failed: {run.stderr.strip()[:500]}")
+            raise SandboxError(
+                f"sandbox {self._id}: tmux {commands[0][0]} failed: {run.stderr.strip()[:500]}"
+            )
         return run
 
     def _ensure_terminal(self) -> None:
         if self._terminal_started:
             return
+        if self._run_inside(["/bin/sh", "-c", "command -v tmux"], 10).exit_code != 0:
+            raise SandboxError(f"sandbox {self._id}: no tmux in the environment (apt-get install tmux)")
         self._tmux(
             [
                 ["-f", "/dev/null", "start-server"],
                 ["set-option", "-g", "history-limit", "100000"],
-                ["new-session", "-d", "-s", TMUX_SESSION, "-x", str(TERMINAL_COLUMNS), "-y", str(TERMINAL_ROWS),
-                 "-c", self._task.environment.workdir, "/bin/bash --login"],
+                [
+                    "new-session",
+                    "-d",
+                    "-s",
+                    TMUX_SESSION,
+                    "-x",
+                    str(TERMINAL_COLUMNS),
+                    "-y",
+                    str(TERMINAL_ROWS),
+                    "-c",
+                    self._task.environment.workdir,
+                    "/bin/bash --login",
+                ],
             ]  # fmt: skip
         )
         self._terminal_started = True
 
     def _read_terminal(self) -> TerminalRead:
-        history = self._tmux([["capture-pane", "-p", "-J", "-S", "-", "-E", "-", "-t", TMUX_SESSION]]).stdout.rstrip()
+        history = self._tmux(
+            [["capture-pane", "-p", "-J", "-S", "-", "-E", "-", "-t", TMUX_SESSION]]
+        ).stdout.rstrip()
         previous, self._terminal_seen = self._terminal_seen, history
         if history.startswith(previous):
             new_text = history[len(previous) :].lstrip("\n") if previous else history
@@ -616,7 +691,9 @@ class LocalSandbox:
         timeout = min(limits.verifier_timeout_sec, remaining_total)
         self._stop_agent_processes()
         if timeout <= 0:
-            return VerifierReport((), False, FailureCause.VERIFIER_TIMEOUT, None, None, "trial deadline passed before verify")
+            return VerifierReport(
+                (), False, FailureCause.VERIFIER_TIMEOUT, None, None, "trial deadline passed before verify"
+            )
         staging = Path(f"/proc/{self._holder.pid}/root{STAGING}")
         verify_dir = staging / "verify"
         for child in list(verify_dir.iterdir()):
@@ -645,7 +722,7 @@ class LocalSandbox:
         tools = self._backend.tools
         command = [
             tools["nsenter"], f"--mount=/proc/{self._holder.pid}/ns/mnt", "--",
-            "/bin/sh", "-c", _JOIN_CGROUPS, "sh", *self.cgroups.procs_files, "--",
+            sys.executable, "-I", str(HOLDER_SCRIPT), "--reap-exec", *self.cgroups.procs_files, "--",
             tools["setpriv"], "--reuid", str(self.uid), "--regid", str(self.uid), "--clear-groups",
             tools["bwrap"], *self._bwrap_args(verifier=True), "--", *plan.argv,
         ]  # fmt: skip
@@ -730,6 +807,12 @@ def _make_world_readable(root: Path) -> None:
         path.chmod(mode | (0o555 if path.is_dir() else 0o444))
 
 
+def _holder_alive(meta: Mapping) -> bool:
+    """Whether the sandbox's holder (and so its owning service process) is still running."""
+    start = meta.get("holder_start")
+    return start is not None and _proc.pid_start_time(meta.get("holder_pid")) == start
+
+
 def _reap_record(state_path: Path, meta: Mapping) -> None:
     """Clean up a sandbox whose owning process is gone, from its state record."""
     _proc.kill_if_same(meta.get("holder_pid"), meta.get("holder_start"))
@@ -740,5 +823,3 @@ def _reap_record(state_path: Path, meta: Mapping) -> None:
         groups.kill_all()
         groups.remove()
     shutil.rmtree(state_path, ignore_errors=True)
-
-

@@ -1,0 +1,2 @@
+#!/bin/bash
+pytest /tests/test_outputs.py -rA

@@ -1,0 +1,1 @@
+"""Tests of the sandbox core: task loaders, reports, environment builder, local backend."""

@@ -1,0 +1,133 @@
+"""Fixtures for the sandbox tests: example tasks, the verifier toolchain, real local backends.
+
+Tests that start sandboxes need root, bubblewrap, tmux and cgroup v1 (what `.ci/run` provides);
+they fail, not skip, without them. Every backend fixture checks at teardown that nothing leaked.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sandbox_service.backends.local import LocalBackend
+from sandbox_service.tasks import load_task
+from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR, setup_toolchain
+
+REPO = Path(__file__).resolve().parents[2]
+TASKS = REPO / "tests" / "data" / "tasks"
+MALFORMED = REPO / "tests" / "data" / "malformed_tasks"
+HARBOR_HELLO = TASKS / "harbor" / "hello-world"
+HARBOR_SALES = TASKS / "harbor" / "sales-report"
+HARBOR_BUILD = TASKS / "harbor" / "build-steps"
+TB1_HELLO = TASKS / "terminal-bench-1" / "hello-world"
+TB1_LOGS = TASKS / "terminal-bench-1" / "log-parsing"
+
+
+@pytest.fixture(scope="session")
+def toolchain_dir() -> Path:
+    """The pinned verifier toolchain `make setup` creates (created here if missing; needs PyPI once)."""
+    return setup_toolchain(REPO / DEFAULT_TOOLCHAIN_DIR, quiet=True).directory
+
+
+def _make_backend(cache_dir: Path, toolchain_dir: Path, **options) -> LocalBackend:
+    return LocalBackend(cache_dir=cache_dir, toolchain_dir=toolchain_dir, **options)
+
+
+@pytest.fixture(scope="module")
+def backend_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sandbox-cache")
+
+
+@pytest.fixture(scope="module")
+def backend(backend_cache, toolchain_dir):
+    """A local backend shared by a test module (environments built once per module)."""
+    local = _make_backend(backend_cache, toolchain_dir)
+    yield local
+    leaked = local.live_sandboxes()
+    local.close()
+    assert not leaked, f"sandboxes left open by the tests: {leaked}"
+    assert_nothing_left(local)
+
+
+@pytest.fixture
+def make_backend(backend_cache, toolchain_dir):
+    """Factory for backends with non-default options (closed and leak-checked at teardown)."""
+    made: list[LocalBackend] = []
+
+    def make(**options) -> LocalBackend:
+        local = _make_backend(backend_cache, toolchain_dir, **options)
+        made.append(local)
+        return local
+
+    yield make
+    for local in made:
+        local.close()
+        assert_nothing_left(local)
+
+
+@pytest.fixture
+def hello_task():
+    return load_task(HARBOR_HELLO)
+
+
+def copy_task(source: Path, destination: Path) -> Path:
+    shutil.copytree(source, destination)
+    return destination
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as handle:
+                for line in handle:
+                    if line.startswith("Uid:"):
+                        if int(line.split()[1]) == uid:
+                            pids.append(int(entry))
+                        break
+        except OSError:
+            continue
+    return pids
+
+
+def mounts_mentioning(text: str) -> list[str]:
+    """Mount lines containing `text` in any mount namespace of any process on the host."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/mountinfo") as handle:
+                found += [f"pid {entry}: {line.strip()}" for line in handle if text in line]
+        except OSError:
+            continue
+    return found
+
+
+def assert_sandbox_gone(sandbox) -> None:
+    """No process, cgroup, mount, holder or state directory of `sandbox` remains."""
+    assert processes_of_uid(sandbox.uid) == [], "processes of the sandbox's uid survive"
+    assert sandbox.cgroups is None or not sandbox.cgroups.exists(), "cgroups survive"
+    assert mounts_mentioning(f"t1jax-disk-{sandbox.sandbox_id}") == [], "its disk tmpfs is still mounted"
+    assert not sandbox.state_path.exists(), "state directory survives"
+    if sandbox.holder_pid is not None:
+        assert not Path(f"/proc/{sandbox.holder_pid}").exists() or _is_zombie(sandbox.holder_pid)
+
+
+def assert_nothing_left(local: LocalBackend) -> None:
+    assert local.live_sandboxes() == []
+    state = local.state_dir
+    assert not state.exists() or list(state.iterdir()) == []
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

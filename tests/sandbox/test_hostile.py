@@ -1,0 +1,425 @@
+"""Hostile agents: each test shows the attack was really attempted (and would work without the
+sandbox, where that can be shown) and that it failed or was contained."""
+
+import base64
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox_service.contracts import FailureCause
+from sandbox_service.tasks import load_task
+
+from .conftest import HARBOR_HELLO, REPO, TB1_HELLO, assert_sandbox_gone, copy_task, processes_of_uid
+
+pytestmark = pytest.mark.sandbox
+
+
+def _resources(task, **environment):
+    return dataclasses.replace(task, environment=dataclasses.replace(task.environment, **environment))
+
+
+# -- reading and writing outside the sandbox -------------------------------------------------------
+
+
+def test_agent_cannot_read_host_files(backend, hello_task):
+    secret_paths = {
+        str(REPO / "pyproject.toml"): "the repository",
+        str(Path.home() / ".bashrc"): "the host's /root",
+        "/etc/shadow": "a root-only file",
+    }
+    for path in secret_paths:
+        assert Path(path).read_bytes(), (
+            f"{path} must exist and be readable on the host for the test to mean anything"
+        )
+    sandbox = backend.create(hello_task)
+    try:
+        for path, what in secret_paths.items():
+            result = sandbox.exec(f"cat {path}", 30)
+            assert result.exit_code != 0 and result.stdout == "", what
+            assert ("No such file" in result.stderr) or ("Permission denied" in result.stderr), result.stderr
+        # The host's processes are invisible: the sandbox's /proc lists only its own.
+        host_processes = [entry for entry in os.listdir("/proc") if entry.isdigit()]
+        listing = sandbox.exec("ls /proc | grep -E '^[0-9]+$'", 30).stdout.split()
+        assert len(host_processes) > 20 and 0 < len(listing) < 10
+        commands = sandbox.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '", 30).stdout
+        assert "pytest" not in commands and "bwrap" in commands  # its own init, never the host's
+    finally:
+        sandbox.close()
+
+
+def test_agent_cannot_read_another_sandbox(backend, hello_task):
+    victim, attacker = backend.create(hello_task), backend.create(hello_task)
+    try:
+        victim.exec("echo victim-secret-4711 > /app/secret.txt", 30)
+        victim_file = f"/proc/{victim.holder_pid}/root/run/t1jax/disk/work/secret.txt"
+        assert Path(victim_file).read_text() == "victim-secret-4711\n"  # where the host keeps it
+        attempt = attacker.exec(f"cat {victim_file}; cat /proc/{victim.init_pid}/root/app/secret.txt", 30)
+        assert "victim-secret" not in attempt.stdout and attempt.exit_code != 0
+        assert "No such file" in attempt.stderr
+        search = attacker.exec(
+            "grep -rs victim-secret /app /tmp /root /run /logs /var/tmp /dev/shm; echo rc=$?", 30
+        )
+        assert search.stdout == "rc=1\n"
+    finally:
+        victim.close()
+        attacker.close()
+
+
+def test_agent_cannot_write_the_read_only_root(backend, hello_task):
+    sandbox = backend.create(hello_task)
+    try:
+        attempts = [
+            "touch /usr/bin/t1jax-planted",
+            "echo evil >> /etc/passwd",
+            "mkdir /t1jax-new-top-level",
+            "rm -f /usr/bin/env",
+            "touch /tests/planted_test.py",
+            "mount -t tmpfs none /mnt",
+            "mount -o remount,rw /",
+        ]
+        for command in attempts:
+            result = sandbox.exec(command, 30)
+            assert result.exit_code != 0, command
+            assert any(s in result.stderr.lower() for s in ("read-only file system", "permission denied")), (
+                result.stderr
+            )
+        assert not Path("/usr/bin/t1jax-planted").exists() and not Path("/t1jax-new-top-level").exists()
+        assert "evil" not in Path("/etc/passwd").read_text() and Path("/usr/bin/env").exists()
+        # setuid binaries gain nothing (no_new_privs, no capabilities)
+        su = sandbox.exec("ls -l /usr/bin/su | cut -c4; su -c id nobody; echo rc=$?", 30)
+        assert su.stdout.startswith("s") and "rc=0" not in su.stdout
+    finally:
+        sandbox.close()
+
+
+# -- network ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def host_server():
+    """A TCP server on the host's loopback that answers 'host-secret' (reachable from the host)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def serve():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                connection, _ = server.accept()
+            except TimeoutError:
+                continue
+            with connection:
+                connection.sendall(b"host-secret\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as control:  # the server really works
+        assert control.recv(64) == b"host-secret\n"
+    yield port
+    stop.set()
+    thread.join()
+    server.close()
+
+
+_CONNECT = (
+    'python3 -c "import socket,sys; s=socket.create_connection((sys.argv[1], int(sys.argv[2])), 3); '
+    'print(s.recv(64).decode().strip())" {host} {port}'
+)
+
+
+def test_agent_cannot_reach_the_network(backend, hello_task, host_server):
+    sandbox = backend.create(hello_task)
+    try:
+        local = sandbox.exec(_CONNECT.format(host="127.0.0.1", port=host_server), 30)
+        assert local.exit_code != 0 and "ConnectionRefused" in local.stderr  # its own loopback only
+        outside = sandbox.exec(_CONNECT.format(host="1.1.1.1", port=53), 30)
+        assert outside.exit_code != 0 and "Network is unreachable" in outside.stderr
+        links = sandbox.exec(
+            "ls /sys/class/net 2>/dev/null; cat /proc/net/dev | tail -n +3 | cut -d: -f1", 30
+        )
+        assert links.stdout.split() == ["lo"]
+    finally:
+        sandbox.close()
+
+
+def test_network_is_shared_only_when_task_and_backend_allow_it(make_backend, hello_task, host_server):
+    open_backend = make_backend(allow_internet=True)
+    allowed = _resources(hello_task, allow_internet=True)
+    sandbox = open_backend.create(allowed)  # positive control: the same attack works when allowed
+    try:
+        assert sandbox.exec(_CONNECT.format(host="127.0.0.1", port=host_server), 30).stdout == "host-secret\n"
+    finally:
+        sandbox.close()
+    sandbox = open_backend.create(hello_task)  # the task itself says allow_internet = false
+    try:
+        assert sandbox.exec(_CONNECT.format(host="127.0.0.1", port=host_server), 30).exit_code != 0
+    finally:
+        sandbox.close()
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+
+def _host_pids(sandbox, needle: bytes) -> list[int]:
+    found = []
+    for pid in processes_of_uid(sandbox.uid):
+        try:
+            if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:  # exited meanwhile
+            continue
+    return found
+
+
+def _wait_for_pids(sandbox, needle: bytes, count: int = 1) -> list[int]:
+    """Host pids of the sandbox's processes whose command line contains `needle`, once `count`
+    exist (a command's background children may not have exec'd yet when the command returns)."""
+    deadline = time.monotonic() + 10
+    while len(pids := _host_pids(sandbox, needle)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pids
+
+
+def test_agent_cannot_kill_processes_of_another_sandbox(backend, hello_task):
+    victim, attacker = backend.create(hello_task), backend.create(hello_task)
+    try:
+        victim.exec("setsid sleep 4242 > /dev/null 2>&1 &", 30)
+        (victim_pid,) = _wait_for_pids(victim, b"sleep\x004242")
+        listing = attacker.exec("ps -eo args", 30).stdout
+        assert "4242" not in listing
+        attempt = attacker.exec(f"kill -9 {victim_pid}; kill -9 -1; echo done", 30)
+        assert "No such process" in attempt.stderr
+        assert Path(f"/proc/{victim_pid}").exists() and _host_pids(victim, b"sleep\x004242") == [victim_pid]
+        assert victim.exec("pgrep -c -f 'sleep 424[2]'", 30).stdout == "1\n"
+    finally:
+        victim.close()
+        attacker.close()
+
+
+def test_fork_bomb_is_contained(make_backend, hello_task):
+    backend = make_backend(pids_max=64)
+    bomb, bystander = backend.create(hello_task), backend.create(hello_task)
+    try:
+        started = time.monotonic()
+        result = bomb.exec("bomb() { bomb | bomb & }; bomb", timeout_sec=3)
+        stats = bomb.cgroups.stat()
+        assert stats["pids_max_events"] > 0  # fork was refused at the limit, many times
+        assert stats["pids_current"] <= 64
+        assert (
+            "retry" in result.stderr
+            or "Resource temporarily unavailable" in result.stderr
+            or result.timed_out
+        )
+        assert bystander.exec("echo fine", 30).stdout == "fine\n"  # others and the host keep working
+        assert subprocess.run(["true"]).returncode == 0
+        bomb.close()
+        assert time.monotonic() - started < 30
+        assert_sandbox_gone(bomb)
+    finally:
+        bomb.close()
+        bystander.close()
+
+
+def test_memory_bomb_is_contained(backend, hello_task):
+    sandbox = backend.create(_resources(hello_task, memory_mb=96))
+    try:
+        bomb = sandbox.exec('python3 -c "blocks = []\nwhile True: blocks.append(bytearray(16 << 20))"', 60)
+        assert bomb.exit_code == 137  # SIGKILLed by the cgroup's OOM killer
+        stats = sandbox.cgroups.stat()
+        assert stats["oom_kill"] >= 1
+        assert stats["memory_max_usage"] <= 96 << 20
+        assert sandbox.exec("echo still-alive", 30).stdout == "still-alive\n"
+    finally:
+        sandbox.close()
+
+
+def test_filling_the_disk_hits_the_task_storage_cap(backend, hello_task):
+    sandbox = backend.create(_resources(hello_task, storage_mb=16, memory_mb=256))
+    try:
+        fill = sandbox.exec(
+            "dd if=/dev/zero of=/app/fill bs=1M count=64; sync; ls -s --block-size=1M /app/fill", 60
+        )
+        assert fill.exit_code == 0 and "No space left on device" in fill.stderr
+        assert int(fill.stdout.split()[0]) <= 16
+        more = sandbox.exec("echo x > /tmp/more; echo y > /root/more", 30)  # one cap for every writable dir
+        assert more.exit_code != 0 and "No space left on device" in more.stderr
+        assert sandbox.exec("rm /app/fill && echo ok > /tmp/more && cat /tmp/more", 30).stdout == "ok\n"
+    finally:
+        sandbox.close()
+
+
+def test_daemons_do_not_survive_close(backend, hello_task):
+    sandbox = backend.create(hello_task)
+    sandbox.exec(
+        "setsid sleep 5151 > /dev/null 2>&1 & (sleep 5252 > /dev/null 2>&1 &) ; "
+        "nohup sh -c 'while true; do sleep 1; done' > /dev/null 2>&1 & "
+        "python3 -c 'import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(5353)' &",
+        30,
+    )
+    for needle in (b"5151", b"5252", b"5353", b"while true"):
+        assert len(_wait_for_pids(sandbox, needle)) >= 1
+    survivors = processes_of_uid(sandbox.uid)
+    assert len(survivors) >= 5
+    sandbox.close()
+    assert_sandbox_gone(sandbox)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in survivors)
+
+
+# -- tampering with the verifier --------------------------------------------------------------------
+
+
+_PASSING_CONFTEST = textwrap.dedent(
+    """
+    import pytest
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(item, call):
+        outcome = yield
+        report = outcome.get_result()
+        report.outcome = "passed"
+    """
+)
+_FAKE_REPORTS = (
+    "mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
+    'printf \'%s\' \'{"results": {"tests": [{"name": "a", "status": "passed"}]}}\' '
+    "> /logs/verifier/ctrf.json; "
+    "printf '%s' '<testsuites><testsuite><testcase name=\"a\"/></testsuite></testsuites>' "
+    "> /logs/verifier/junit.xml"
+)
+
+
+def _noop_score(backend, task) -> tuple[int, int]:
+    sandbox = backend.create(task)
+    try:
+        report = sandbox.verify()
+    finally:
+        sandbox.close()
+    return report.passed, report.total
+
+
+def test_planted_conftest_cannot_raise_the_score(backend, hello_task, tmp_path):
+    # Positive control: the planted conftest does turn the task's failing tests green when loaded.
+    (tmp_path / "tests").mkdir()
+    shutil.copy(HARBOR_HELLO / "tests" / "test_outputs.py", tmp_path / "tests")
+    (tmp_path / "tests" / "conftest.py").write_text(_PASSING_CONFTEST)
+    control = subprocess.run(
+        ["/usr/bin/python3", "-P", "-s", str(backend.toolchain_dir / "run_pytest.py"),
+         "-p", "no:cacheprovider",
+         str(tmp_path / "tests")], capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert control.returncode == 0 and "2 passed" in control.stdout
+    sandbox = backend.create(hello_task)
+    try:
+        for directory in ("/app", "/tmp", "/root", "/logs", "/logs/verifier"):
+            sandbox.exec(f"cat > {directory}/conftest.py <<'EOF'\n{_PASSING_CONFTEST}\nEOF", 30)
+        sandbox.exec("printf '[pytest]\\naddopts = -p no:junitxml\\n' > /app/pytest.ini", 30)
+        planted = sandbox.exec("ls /app/conftest.py /tmp/conftest.py /root/conftest.py /app/pytest.ini", 30)
+        assert planted.exit_code == 0
+        report = sandbox.verify()
+    finally:
+        sandbox.close()
+    assert (report.passed, report.total) == _noop_score(backend, hello_task) == (0, 2)
+
+
+def _write(sandbox, path: str, content: str, mode: str = "644") -> None:
+    encoded = base64.b64encode(content.encode()).decode()
+    result = sandbox.exec(
+        f"mkdir -p $(dirname {path}) && echo {encoded} | base64 -d > {path} && chmod {mode} {path}", 30
+    )
+    assert result.exit_code == 0, result.stderr
+
+
+def test_fake_pytest_and_python_hijacks_cannot_raise_the_score(backend, hello_task):
+    sandbox = backend.create(hello_task)
+    fake = f"#!/bin/sh\necho FAKE-PYTEST\n{_FAKE_REPORTS}\nexit 0\n"
+    hijack_python = f"import os\nos.system({_FAKE_REPORTS!r})\nos._exit(0)\n"
+    try:
+        for directory in ("/root/.local/bin", "/app", "/tmp"):
+            _write(sandbox, f"{directory}/pytest", fake, "755")
+        _write(
+            sandbox,
+            "/root/.bashrc",
+            'export PATH=/root/.local/bin:/app:$PATH\nexport PYTEST_ADDOPTS="-p no:terminal"\n',
+        )
+        _write(sandbox, "/root/.profile", ". /root/.bashrc\n")
+        _write(sandbox, "/app/pytest.py", hijack_python)
+        _write(sandbox, "/app/_pytest/__init__.py", hijack_python)
+        for name in ("usercustomize.py", "sitecustomize.py"):
+            _write(sandbox, f"/root/.local/lib/python3.11/site-packages/{name}", hijack_python)
+        # Positive control: in the agent's own login shells the hijack works.
+        assert sandbox.exec("pytest /tests", 30).stdout.startswith("FAKE-PYTEST")
+        report = sandbox.verify()
+    finally:
+        sandbox.close()
+    assert report.parsed and (report.passed, report.total) == (0, 2) and report.reward_value == 0.0
+
+
+def test_planted_reports_are_ignored(backend):
+    task = load_task(TB1_HELLO)  # a verifier that writes no reward file of its own
+    sandbox = backend.create(task)
+    try:
+        assert sandbox.exec(_FAKE_REPORTS + "; cat /logs/verifier/reward.txt", 30).stdout == "1\n"
+        report = sandbox.verify()
+    finally:
+        sandbox.close()
+    assert report.parsed and (report.passed, report.total) == (0, 2) and report.reward_value is None
+
+
+def test_background_process_cannot_rewrite_files_during_verification(backend, hello_task):
+    sandbox = backend.create(hello_task)
+    writer = (
+        "setsid sh -c 'while true; do "
+        '[ -d /tests ] && echo "def test_ok(): pass" > /tests/test_outputs.py 2>/dev/null; '
+        f"{_FAKE_REPORTS.replace(chr(39), chr(34))} 2>/dev/null; sleep 0.01; done' > /dev/null 2>&1 & "
+        "setsid sh -c 'sleep 1; echo Hello, world! > /app/hello.txt' > /dev/null 2>&1 &"
+    )
+    try:
+        sandbox.exec(writer, 30)
+        running = _wait_for_pids(sandbox, b"while true")
+        assert running and Path(f"/proc/{running[0]}").exists()  # the saboteurs are alive at verify time
+        report = sandbox.verify()
+        time.sleep(1.2)
+        hello = Path(f"/proc/{sandbox.holder_pid}/root/run/t1jax/disk/work/hello.txt")
+        assert not hello.exists()  # the delayed writer was killed before it could act
+    finally:
+        sandbox.close()
+    assert report.parsed and (report.passed, report.total) == (0, 2) and report.reward_value == 0.0
+
+
+def test_changed_tests_are_detected_by_checksum(backend, tmp_path):
+    task_dir = copy_task(HARBOR_HELLO, tmp_path / "task")
+    sandbox = backend.create(load_task(task_dir))
+    try:
+        (task_dir / "tests" / "test_outputs.py").write_text("def test_ok():\n    pass\n")
+        report = sandbox.verify()
+    finally:
+        sandbox.close()
+    assert report.failure_cause == FailureCause.TESTS_TAMPERED and not report.parsed
+    assert "changed test_outputs.py" in report.detail
+
+
+def test_report_directory_swapped_for_a_symlink_is_replaced(backend):
+    task = load_task(TB1_HELLO)
+    sandbox = backend.create(task)
+    try:
+        swap = sandbox.exec("rm -rf /logs/verifier && ln -s /app /logs/verifier && " + _FAKE_REPORTS, 30)
+        assert swap.exit_code == 0 and sandbox.exec("ls /app", 30).stdout.split() == [
+            "ctrf.json",
+            "junit.xml",
+            "reward.txt",
+        ]
+        report = sandbox.verify()
+        disk = Path(f"/proc/{sandbox.holder_pid}/root/run/t1jax/disk")
+        assert (disk / "logs" / "verifier").is_dir() and not (disk / "logs" / "verifier").is_symlink()
+    finally:
+        sandbox.close()
+    assert report.parsed and (report.passed, report.total) == (0, 2) and report.reward_value is None

@@ -1,0 +1,325 @@
+"""Local backend lifecycle, exec, the tmux terminal, deadlines and crash recovery (real sandboxes)."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox_service.backends import create_provider
+from sandbox_service.backends.local import LocalBackend
+from sandbox_service.contracts import (
+    FailureCause,
+    Sandbox,
+    SandboxDeadlineExpired,
+    SandboxLifecycleError,
+    SandboxProvider,
+    TaskLimits,
+    UnsupportedEnvironment,
+)
+from sandbox_service.tasks import load_task
+
+from .conftest import (
+    HARBOR_BUILD,
+    MALFORMED,
+    REPO,
+    TB1_LOGS,
+    assert_sandbox_gone,
+    copy_task,
+    processes_of_uid,
+)
+
+pytestmark = pytest.mark.sandbox
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _with_limits(task, **limits):
+    return dataclasses.replace(task, limits=dataclasses.replace(task.limits, **limits))
+
+
+def test_lifecycle_solution_scores_full_and_close_reclaims_everything(backend, hello_task):
+    assert isinstance(backend, SandboxProvider)
+    sandbox = backend.create(hello_task, run_id="lifecycle")
+    assert isinstance(sandbox, Sandbox) and sandbox.task is hello_task
+    assert backend.live_sandboxes("lifecycle") == [sandbox.sandbox_id]
+    result = sandbox.exec('echo "Hello, world!" > /app/hello.txt && cat /app/hello.txt', timeout_sec=30)
+    assert (result.stdout, result.stderr, result.exit_code, result.timed_out) == (
+        "Hello, world!\n",
+        "",
+        0,
+        False,
+    )
+    report = sandbox.verify()
+    assert report.parsed and (report.passed, report.total) == (2, 2)
+    assert report.binary_outcome is True and report.reward_value == 1.0  # test.sh wrote reward.txt
+    with pytest.raises(SandboxLifecycleError, match="agent phase ended"):
+        sandbox.exec("true", 5)
+    with pytest.raises(SandboxLifecycleError, match="already ran"):
+        sandbox.verify()
+    sandbox.close()
+    sandbox.close()  # idempotent
+    with pytest.raises(SandboxLifecycleError, match="closed"):
+        sandbox.exec("true", 5)
+    assert_sandbox_gone(sandbox)
+    assert backend.live_sandboxes("lifecycle") == []
+
+
+def test_exec_semantics(backend):
+    sandbox = backend.create(load_task(HARBOR_BUILD))
+    try:
+        result = sandbox.exec("pwd; echo $GREETING_WORD; echo err >&2; exit 7", 30)
+        assert result.stdout == "/app\nHello\n" and result.stderr == "err\n" and result.exit_code == 7
+        assert sandbox.exec("greet you", 30).stdout == "Hello, you! (greeter 1.2.3)\n"  # the built env layer
+        assert sandbox.exec("cat /srv/shared/inventory.txt | wc -l", 30).stdout.strip() == "4"
+        assert sandbox.exec("cat /app/data/seed.txt; ls /tests | wc -l", 30).stdout == "seeded by RUN\n0\n"
+        # state persists between commands: files, and background processes
+        sandbox.exec("echo kept > /tmp/state; (sleep 300 &)", 30)
+        follow = sandbox.exec("cat /tmp/state; pgrep -c -f 'sleep 30[0]'", 30)
+        assert follow.stdout == "kept\n1\n"
+        big = sandbox.exec("head -c 3000000 /dev/zero | tr '\\0' a", 60)
+        assert big.exit_code == 0 and big.truncated
+        assert big.stdout_omitted_bytes == 3_000_000 - backend.max_output_bytes
+        assert big.stdout.startswith("aaaa") and big.stdout.endswith("aaaa") and "bytes omitted" in big.stdout
+        assert sandbox.exec("id -u; whoami; cat /proc/self/status | grep CapEff", 30).stdout == (
+            "0\nroot\nCapEff:\t0000000000000000\n"
+        )
+    finally:
+        sandbox.close()
+    assert_sandbox_gone(sandbox)
+
+
+def test_exec_timeout_kills_the_command_tree(backend, hello_task):
+    sandbox = backend.create(hello_task)
+    try:
+        started = time.monotonic()
+        result = sandbox.exec("echo started; sleep 300 & sleep 301; echo never", timeout_sec=1)
+        assert result.timed_out and result.exit_code is None
+        assert result.stdout == "started\n"
+        assert time.monotonic() - started < 10
+        left = sandbox.exec("pgrep -f 'sleep 30[01]' || echo none", 30).stdout
+        assert left == "none\n"
+    finally:
+        sandbox.close()
+
+
+def test_terminal_send_keys_runs_inside_the_sandbox(backend, hello_task):
+    sandbox = backend.create(hello_task)
+    try:
+        first = sandbox.send_keys("echo typed-$((6*7)) > /app/typed.txt; cat /app/typed.txt\n", wait_sec=1.0)
+        assert "typed-42" in first.text
+        assert sandbox.exec("cat /app/typed.txt", 30).stdout == "typed-42\n"
+        second = sandbox.send_keys("echo second-line\n", wait_sec=1.0)
+        assert "second-line" in second.text and "typed-42" not in second.text  # only the new output
+        sandbox.send_keys("sleep 300\n", wait_sec=0.5)
+        sandbox.send_keys("C-c", wait_sec=0.5)
+        assert sandbox.exec("pgrep -f 'sleep 30[0]' || echo none", 30).stdout == "none\n"
+        # the tmux server is a process of this sandbox: its uid, its pid namespace
+        servers = [pid for pid in processes_of_uid(sandbox.uid) if b"tmux" in _cmdline(pid)]
+        assert servers
+        sandbox_pid_ns = os.readlink(f"/proc/{sandbox.init_pid}/ns/pid")
+        assert all(os.readlink(f"/proc/{pid}/ns/pid") == sandbox_pid_ns for pid in servers)
+        assert os.readlink(f"/proc/{servers[0]}/ns/net") == os.readlink(f"/proc/{sandbox.init_pid}/ns/net")
+    finally:
+        sandbox.close()
+    assert_sandbox_gone(sandbox)
+
+
+def test_terminal_read_is_capped(make_backend, hello_task):
+    backend = make_backend(terminal_read_bytes=500)
+    sandbox = backend.create(hello_task)
+    try:
+        read = sandbox.send_keys("seq 1 2000\n", wait_sec=1.0)
+        assert read.omitted_bytes > 0 and len(read.text.encode()) < 600 and "2000" in read.text
+    finally:
+        sandbox.close()
+
+
+def test_agent_deadline_stops_exec_but_verify_still_runs(backend, hello_task):
+    sandbox = backend.create(_with_limits(hello_task, agent_timeout_sec=1.5))
+    try:
+        short = sandbox.exec("sleep 30", timeout_sec=30)  # clamped to the agent deadline
+        assert short.timed_out and short.duration_sec < 5
+        with pytest.raises(SandboxDeadlineExpired) as raised:
+            sandbox.exec("true", 5)
+        assert raised.value.deadline == "agent"
+        report = sandbox.verify()
+        assert report.parsed and report.passed == 0 and report.total == 2
+    finally:
+        sandbox.close()
+
+
+def test_verifier_deadline(backend, tmp_path):
+    task_dir = copy_task(TB1_LOGS, tmp_path / "slow-verifier")
+    (task_dir / "tests" / "test_outputs.py").write_text(
+        "import time\n\ndef test_slow():\n    time.sleep(300)\n"
+    )
+    task = load_task(task_dir)
+    sandbox = backend.create(_with_limits(task, verifier_timeout_sec=2))
+    try:
+        started = time.monotonic()
+        report = sandbox.verify()
+        assert time.monotonic() - started < 15
+        assert report.failure_cause == FailureCause.VERIFIER_TIMEOUT and not report.parsed
+        assert report.binary_outcome is None
+        assert sandbox.cgroups.members() == set()  # the verifier's processes are gone
+    finally:
+        sandbox.close()
+
+
+def test_trial_deadline_reclaims_the_sandbox(backend, hello_task):
+    sandbox = backend.create(_with_limits(hello_task, total_timeout_sec=2))
+    sandbox.exec("setsid sleep 300 > /dev/null 2>&1 &", 30)
+    assert processes_of_uid(sandbox.uid)
+    time.sleep(3.5)  # the backend's watchdog checks every 0.5 s
+    with pytest.raises(SandboxDeadlineExpired) as raised:
+        sandbox.exec("true", 5)
+    assert raised.value.deadline == "total"
+    with pytest.raises(SandboxDeadlineExpired):
+        sandbox.verify()
+    assert_sandbox_gone(sandbox)
+    sandbox.close()
+
+
+def test_unsupported_environment_is_rejected_before_anything_starts(backend):
+    before = backend.live_sandboxes()
+    for name in ("unsupported-base", "unsupported-instruction"):
+        with pytest.raises(UnsupportedEnvironment):
+            backend.create(load_task(MALFORMED / name))
+    assert backend.live_sandboxes() == before
+
+
+def test_killing_init_from_inside_ends_the_agent_phase_but_verify_works(backend, hello_task):
+    sandbox = backend.create(hello_task)
+    try:
+        sandbox.exec("echo 'Hello, world!' > /app/hello.txt; kill -9 $(pgrep -x sleep)", 30)
+        time.sleep(0.2)
+        with pytest.raises(SandboxLifecycleError, match="init process is gone"):
+            sandbox.exec("true", 5)
+        report = sandbox.verify()  # a fresh verifier sandbox over the same files
+        assert (report.passed, report.total) == (2, 2)
+    finally:
+        sandbox.close()
+    assert_sandbox_gone(sandbox)
+
+
+def test_create_provider_registry(backend_cache, toolchain_dir):
+    provider = create_provider("local", cache_dir=backend_cache, toolchain_dir=toolchain_dir)
+    try:
+        assert isinstance(provider, LocalBackend)
+    finally:
+        provider.close()
+    with pytest.raises(ValueError, match="unknown sandbox backend 'nope'"):
+        create_provider("nope")
+
+
+_OWNER_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {repo!r})
+from sandbox_service.backends.local import LocalBackend
+from sandbox_service.tasks import load_task
+backend = LocalBackend(cache_dir={cache!r}, toolchain_dir={toolchain!r})
+sandbox = backend.create(load_task({task!r}), run_id="crashed-run")
+sandbox.exec("setsid sleep 300 > /dev/null 2>&1 &", 30)
+print(json.dumps({{"id": sandbox.sandbox_id, "uid": sandbox.uid, "holder": sandbox.holder_pid,
+                  "cgroups": sandbox.cgroups.to_json()}}), flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_reap_cleans_up_after_a_crashed_owner(backend, backend_cache, toolchain_dir, hello_task):
+    script = _OWNER_SCRIPT.format(
+        repo=str(REPO),
+        cache=str(backend_cache),
+        toolchain=str(toolchain_dir),
+        task=str(hello_task.source_dir),
+    )
+    owner = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert owner.returncode == -signal.SIGKILL, owner.stderr
+    record = json.loads(owner.stdout)
+    deadline = time.monotonic() + 10
+    while processes_of_uid(record["uid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the holder saw EOF and killed the sandbox's processes by itself
+    assert processes_of_uid(record["uid"]) == []
+    while Path(f"/proc/{record['holder']}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # the holder exits once the sandbox is dead
+    assert backend.live_sandboxes("crashed-run") == [record["id"]]  # its state and cgroups remain
+    assert all(Path(path).exists() for path in record["cgroups"].values())
+    assert backend.reap("crashed-run") == [record["id"]]
+    assert backend.live_sandboxes("crashed-run") == []
+    assert not any(Path(path).exists() for path in record["cgroups"].values())
+    assert (
+        not Path(f"/proc/{record['holder']}").exists()
+        or b"Z" in Path(f"/proc/{record['holder']}/stat").read_bytes()
+    )
+
+
+def test_reap_closes_live_sandboxes_of_a_run(backend, hello_task):
+    kept = backend.create(hello_task, run_id="keep")
+    doomed = [backend.create(hello_task, run_id="doomed") for _ in range(2)]
+    try:
+        assert sorted(backend.reap("doomed")) == sorted(s.sandbox_id for s in doomed)
+        for sandbox in doomed:
+            assert_sandbox_gone(sandbox)
+            with pytest.raises(SandboxLifecycleError):
+                sandbox.exec("true", 5)
+        assert kept.exec("echo alive", 30).stdout == "alive\n"
+    finally:
+        kept.close()
+
+
+def test_limits_default_from_task(backend, hello_task):
+    assert hello_task.limits == TaskLimits(
+        agent_timeout_sec=600, verifier_timeout_sec=120, total_timeout_sec=5400
+    )
+    sandbox = backend.create(hello_task)
+    try:
+        memory = int((sandbox.cgroups.paths["memory"] / "memory.limit_in_bytes").read_text())
+        assert memory == 512 << 20
+        assert int((sandbox.cgroups.paths["pids"] / "pids.max").read_text()) == backend.pids_max
+        df = sandbox.exec("df -m /app | tail -1 | awk '{print $2}'", 30).stdout.strip()
+        assert int(df) == 256  # storage_mb
+    finally:
+        sandbox.close()
+
+
+@pytest.mark.slow
+def test_apt_get_install_at_build_time_is_usable_in_the_sandbox(backend, tmp_path):
+    task_dir = copy_task(TB1_LOGS, tmp_path / "apt-task")
+    (task_dir / "Dockerfile").write_text(
+        "FROM debian:bookworm\nWORKDIR /app\n"
+        "RUN apt-get update && apt-get install -y --no-install-recommends figlet \\\n"
+        "    && rm -rf /var/lib/apt/lists/*\n"
+    )
+    assert not Path("/usr/bin/figlet").exists()  # the host does not have it
+    sandbox = backend.create(load_task(task_dir))
+    try:
+        result = sandbox.exec("figlet -v | head -1; touch /usr/bin/figlet", 60)
+        assert result.stdout.startswith("FIGlet Copyright") and "Read-only file system" in result.stderr
+    finally:
+        sandbox.close()
+    assert not Path("/usr/bin/figlet").exists()
+
+
+def test_reap_leaves_sandboxes_of_another_live_service_alone(
+    backend, backend_cache, toolchain_dir, hello_task
+):
+    other_service = LocalBackend(cache_dir=backend_cache, toolchain_dir=toolchain_dir)  # same cache dir
+    theirs = other_service.create(hello_task, run_id="shared-run")
+    try:
+        assert theirs.sandbox_id in backend.live_sandboxes("shared-run")
+        assert backend.reap("shared-run") == []  # its holder is alive: it is not left behind
+        assert theirs.exec("echo untouched", 30).stdout == "untouched\n"
+    finally:
+        other_service.close()
+    assert_sandbox_gone(theirs)
