@@ -21,6 +21,8 @@ from pathlib import Path
 from sandbox_service.admission import AdmissionConfig, AdmissionController
 from sandbox_service.contracts import SandboxProvider, TaskLimits
 
+DEFAULT_CACHE_DIR = Path(".cache") / "sandbox_service"  # the local backend's default, too
+
 BACKENDS = ("local", "kubernetes", "modal")
 
 
@@ -36,31 +38,60 @@ def _rate(text: str) -> float | None:
 def add_backend_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("backend")
     group.add_argument("--backend", choices=BACKENDS, default="local")
-    group.add_argument("--work-dir", type=Path, default=None,
-                       help="local: where sandboxes keep their files (default: a temporary directory)")
-    group.add_argument("--namespace", default="t1jax-sandboxes", help="kubernetes: namespace of the sandbox Pods")
-    group.add_argument("--image-registry", default=None,
-                       help="kubernetes: registry holding pre-built images of Dockerfile-only tasks")
-    group.add_argument("--runtime-class", default=None, help="kubernetes: RuntimeClass for sandbox Pods (e.g. gvisor)")
+    group.add_argument(
+        "--toolchain-dir",
+        type=Path,
+        default=None,
+        help="the pinned verifier toolchain (python -m sandbox_service.verifier --setup); "
+        "default: <cache-dir>/verifier-toolchain",
+    )
+    group.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=DEFAULT_CACHE_DIR,
+        help="local: built environments and sandbox state (reap finds leftovers here)",
+    )
+    group.add_argument(
+        "--allow-internet",
+        action="store_true",
+        help="local: let tasks that allow internet reach it (default: every sandbox is offline)",
+    )
+    group.add_argument(
+        "--namespace", default="t1jax-sandboxes", help="kubernetes: namespace of the sandbox Pods"
+    )
+    group.add_argument(
+        "--image-registry",
+        default=None,
+        help="kubernetes: registry holding pre-built images of Dockerfile-only tasks",
+    )
+    group.add_argument(
+        "--runtime-class", default=None, help="kubernetes: RuntimeClass of sandbox Pods (e.g. gvisor)"
+    )
     group.add_argument("--modal-app", default="t1jax-sandboxes", help="modal: app the sandboxes belong to")
 
 
 def build_backend(args: argparse.Namespace) -> SandboxProvider:
+    toolchain_dir = args.toolchain_dir or args.cache_dir / "verifier-toolchain"
     if args.backend == "kubernetes":
         from sandbox_service.backends.kubernetes import KubernetesBackend, KubernetesConfig
 
         return KubernetesBackend(
-            KubernetesConfig(namespace=args.namespace, image_registry=args.image_registry,
-                             runtime_class_name=args.runtime_class)
+            KubernetesConfig(
+                namespace=args.namespace,
+                image_registry=args.image_registry,
+                runtime_class_name=args.runtime_class,
+                toolchain_dir=toolchain_dir,
+            )
         )
     if args.backend == "modal":
         from sandbox_service.backends.modal import ModalBackend, ModalConfig
 
-        return ModalBackend(ModalConfig(app_name=args.modal_app))
+        return ModalBackend(ModalConfig(app_name=args.modal_app, toolchain_dir=toolchain_dir))
     from sandbox_service.backends.local import LocalBackend
 
-    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="t1jax-sandboxes-"))
-    return LocalBackend(work_dir)
+    return LocalBackend(
+        cache_dir=args.cache_dir, toolchain_dir=toolchain_dir, allow_internet=args.allow_internet
+    )
 
 
 def admission_config(args: argparse.Namespace) -> AdmissionConfig:
@@ -69,7 +100,8 @@ def admission_config(args: argparse.Namespace) -> AdmissionConfig:
         create_burst=args.burst,
         max_live_sandboxes=args.max_live,
         deadline_caps=TaskLimits(
-            agent_timeout_sec=args.agent_timeout, verifier_timeout_sec=args.verifier_timeout,
+            agent_timeout_sec=args.agent_timeout,
+            verifier_timeout_sec=args.verifier_timeout,
             total_timeout_sec=args.total_timeout,
         ),
         admission_timeout_sec=args.admission_timeout,
@@ -82,36 +114,53 @@ def cmd_serve(args: argparse.Namespace) -> int:
     backend = build_backend(args)
     controller = AdmissionController(backend, admission_config(args))
     store_dir = args.task_store or Path(tempfile.mkdtemp(prefix="t1jax-task-store-"))
-    app = create_app(controller, TaskStore(store_dir), backend_name=args.backend)
+    close_backend = getattr(backend, "close", None)
+    app = create_app(controller, TaskStore(store_dir), backend_name=args.backend, on_shutdown=close_backend)
+    # SIGINT/SIGTERM: uvicorn stops accepting requests, the app's shutdown closes every trial and the
+    # backend, then uvicorn re-raises the signal (so the exit status says which signal ended it).
     serve(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
 def cmd_check_tasks(args: argparse.Namespace) -> int:
-    from sandbox_service.checks import check_tasks
+    from sandbox_service.check_tasks import all_sound, check_tasks
 
+    backend = None
     if args.url:
         from sandbox_service.client import SandboxServiceClient
 
         provider: SandboxProvider = SandboxServiceClient(args.url)
     else:
-        provider = AdmissionController(build_backend(args), AdmissionConfig(create_rate_per_sec=None))
+        backend = build_backend(args)
+        provider = AdmissionController(backend, AdmissionConfig(create_rate_per_sec=None))
     try:
-        results = check_tasks(args.tasks_dir, provider)
+        audits = check_tasks(
+            args.tasks_dir,
+            provider,
+            max_workers=args.workers,
+            on_audit=lambda audit: print(audit.line(), flush=True),
+        )
     finally:
-        close = getattr(provider, "shutdown", None) or getattr(provider, "close", None)
-        if close is not None:
-            close()
-    failures = [result for result in results if not result.ok]
-    for result in results:
-        print(("ok     " if result.ok else "FAILED ") + str(result))
-    print(f"{len(results) - len(failures)}/{len(results)} tasks pass their own solution", flush=True)
-    return 1 if failures else 0
+        if isinstance(provider, AdmissionController):
+            provider.shutdown()
+        else:
+            provider.close()  # type: ignore[attr-defined]
+        close_backend = getattr(backend, "close", None)
+        if close_backend is not None:
+            close_backend()
+    sound = sum(audit.sound for audit in audits)
+    print(f"{sound}/{len(audits)} tasks sound (solution passes every assertion, no-op fails one)", flush=True)
+    return 0 if all_sound(audits) else 1
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
     backend = build_backend(args)
-    reaped = backend.reap(args.run_id)  # type: ignore[attr-defined]
+    try:
+        reaped = backend.reap(args.run_id)  # type: ignore[attr-defined]
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
     print(json.dumps({"run_id": args.run_id, "reaped": reaped}))
     return 0
 
@@ -124,10 +173,14 @@ def cmd_leak_check(args: argparse.Namespace) -> int:
             cancelled, report = client.reclaim_run(args.run_id)
         else:
             cancelled, report = [], client.leak_check(args.run_id)
-    print(json.dumps({
-        "run_id": args.run_id, "cancelled": cancelled, "unclosed_trials": list(report.unclosed_trials),
-        "orphaned_sandboxes": list(report.orphaned_sandboxes), "remaining": list(report.remaining),
-    }))
+    summary = {
+        "run_id": args.run_id,
+        "cancelled": cancelled,
+        "unclosed_trials": list(report.unclosed_trials),
+        "orphaned_sandboxes": list(report.orphaned_sandboxes),
+        "remaining": list(report.remaining),
+    }
+    print(json.dumps(summary))
     return 1 if report.remaining else 0
 
 
@@ -140,22 +193,39 @@ def parser() -> argparse.ArgumentParser:
     add_backend_flags(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed at start)")
-    serve.add_argument("--task-store", type=Path, default=None, help="where uploaded task directories are kept")
+    serve.add_argument(
+        "--task-store", type=Path, default=None, help="where uploaded task directories are kept"
+    )
     policy = serve.add_argument_group("admission")
     policy.add_argument("--rate", type=_rate, default=6.0, help="sandbox creations per second, or 'off'")
     policy.add_argument("--burst", type=int, default=6)
-    policy.add_argument("--max-live", type=int, default=35, help="concurrency cap of live sandboxes on this node")
-    policy.add_argument("--agent-timeout", type=float, default=3600.0, help="cap on any task's agent deadline")
-    policy.add_argument("--verifier-timeout", type=float, default=900.0, help="cap on any task's verifier deadline")
-    policy.add_argument("--total-timeout", type=float, default=5400.0, help="cap on any task's total deadline")
-    policy.add_argument("--admission-timeout", type=float, default=None,
-                        help="longest a create may wait for a slot and a token (default: no limit)")
+    policy.add_argument(
+        "--max-live", type=int, default=35, help="concurrency cap of live sandboxes on this node"
+    )
+    policy.add_argument(
+        "--agent-timeout", type=float, default=3600.0, help="cap on any task's agent deadline"
+    )
+    policy.add_argument(
+        "--verifier-timeout", type=float, default=900.0, help="cap on any task's verifier deadline"
+    )
+    policy.add_argument(
+        "--total-timeout", type=float, default=5400.0, help="cap on any task's total deadline"
+    )
+    policy.add_argument(
+        "--admission-timeout",
+        type=float,
+        default=None,
+        help="longest a create may wait for a slot and a token (default: no limit)",
+    )
     serve.set_defaults(run=cmd_serve)
 
     check = commands.add_parser("check-tasks", help="run every task's solution and verifier")
     add_backend_flags(check)
     check.add_argument("tasks_dir", type=Path)
-    check.add_argument("--url", default=None, help="use a running service instead of a backend in this process")
+    check.add_argument(
+        "--url", default=None, help="use a running service instead of a backend in this process"
+    )
+    check.add_argument("--workers", type=int, default=2, help="tasks audited at once")
     check.set_defaults(run=cmd_check_tasks)
 
     reap = commands.add_parser("reap", help="kill every sandbox of a run left on a backend")
@@ -173,7 +243,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return args.run(args)
 
 

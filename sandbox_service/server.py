@@ -206,9 +206,11 @@ def create_app(
     *,
     backend_name: str = "unknown",
     worker_threads: int | None = None,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> Starlette:
     """The ASGI app. `worker_threads` bounds concurrent backend calls (default: enough for every
-    live sandbox to have an exec and a close in flight, plus queued creates)."""
+    live sandbox to have an exec and a close in flight, plus queued creates). At shutdown the app
+    closes every trial, then calls `on_shutdown` (e.g. to close the backend)."""
     threads = anyio.CapacityLimiter(worker_threads or max(64, 3 * controller.config.max_live_sandboxes + 16))
 
     async def blocking(fn: Callable[..., Any], *args: Any) -> Any:
@@ -331,6 +333,8 @@ def create_app(
         yield
         log.info("sandbox service shutting down: closing every open trial")
         await anyio.to_thread.run_sync(controller.shutdown)
+        if on_shutdown is not None:
+            await anyio.to_thread.run_sync(on_shutdown)
 
     p = API_PREFIX
     routes = [
