@@ -248,6 +248,10 @@ def create_app(
         _check_digest(digest)
         if task_store.has(digest):
             return JSONResponse({"digest": digest, "stored": True, "new": False}, status_code=200)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > task_store.max_upload_bytes:
+            limit = task_store.max_upload_bytes
+            raise BadRequest(f"task upload of {declared} bytes exceeds the {limit}-byte limit")
         body = await request.body()
         created = await blocking(task_store.put, digest, body)
         return JSONResponse(
