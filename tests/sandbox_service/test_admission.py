@@ -14,7 +14,7 @@ from service_helpers import SlowCreate, new_run_id
 from task_factory import with_limits, write_hello_task
 
 from sandbox_service.admission import AdmissionConfig, AdmissionController, TrialState
-from sandbox_service.contracts import FailureCause, UnsupportedEnvironment
+from sandbox_service.contracts import FailureCause, Sandbox, SandboxProvider, UnsupportedEnvironment
 from sandbox_service.errors import (
     AdmissionTimeout,
     DeadlineExceeded,
@@ -178,7 +178,9 @@ def test_cancel_during_exec_interrupts_it_and_reclaims(backend, hello_task):
 
 def test_lifecycle_misuse_raises_state_errors(backend, hello_task):
     with controller_for(backend) as controller:
+        assert isinstance(controller, SandboxProvider)
         sandbox = controller.create(hello_task, run_id=new_run_id())
+        assert isinstance(sandbox, Sandbox)
         assert sandbox.exec("printf 'Hello, world!' > /app/hello.txt", 30).exit_code == 0
         report = sandbox.verify()
         assert (report.parsed, report.passed, report.total, report.binary_outcome) == (True, 2, 2, True)

@@ -15,20 +15,22 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_clusters import FakeKubeApiServer, wait_until
-from kubernetes import client
-from task_factory import with_limits, write_hello_task
 
-from sandbox_service.backends.kubernetes import (
+client = pytest.importorskip("kubernetes.client")  # the `k8s` extra (installed by `make setup`)
+
+from fake_clusters import FakeKubeApiServer, wait_until  # noqa: E402
+from task_factory import with_limits, write_hello_task  # noqa: E402
+
+from sandbox_service.backends.kubernetes import (  # noqa: E402
     ISOLATION_POLICY_NAME,
     KubernetesBackend,
     KubernetesConfig,
     RegistryImages,
     label_value,
 )
-from sandbox_service.contracts import FailureCause
-from sandbox_service.errors import BackendError, SandboxClosed, SandboxStateError
-from sandbox_service.tasks import load_task
+from sandbox_service.contracts import FailureCause  # noqa: E402
+from sandbox_service.errors import BackendError, SandboxClosed, SandboxStateError  # noqa: E402
+from sandbox_service.tasks import load_task  # noqa: E402
 
 EXAMPLE_TASKS = Path(__file__).resolve().parents[1] / "data" / "tasks"
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from fake_clusters import FakeModal, wait_until
-from task_factory import with_limits, write_hello_task
 
-from sandbox_service.backends.modal import ModalBackend, ModalConfig
-from sandbox_service.contracts import FailureCause
-from sandbox_service.errors import BackendError
+pytest.importorskip("modal")  # the `modal` extra (installed by `make setup`)
+
+from fake_clusters import FakeModal, wait_until  # noqa: E402
+from task_factory import with_limits, write_hello_task  # noqa: E402
+
+from sandbox_service.backends.modal import ModalBackend, ModalConfig  # noqa: E402
+from sandbox_service.contracts import FailureCause  # noqa: E402
+from sandbox_service.errors import BackendError  # noqa: E402
 
 pytestmark = pytest.mark.sandbox
 

@@ -15,12 +15,12 @@ import time
 import httpx
 import pytest
 from service_helpers import SlowCreate, new_run_id
-from task_factory import with_limits
+from task_factory import with_limits, write_hello_task
 
 from sandbox_service import wire
 from sandbox_service.admission import AdmissionConfig, AdmissionController
 from sandbox_service.client import SandboxServiceClient
-from sandbox_service.contracts import FailureCause, Sandbox, SandboxProvider
+from sandbox_service.contracts import FailureCause, Sandbox, SandboxProvider, UnsupportedEnvironment
 from sandbox_service.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -28,6 +28,7 @@ from sandbox_service.errors import (
     ServiceUnavailable,
     TrialCancelled,
     UnknownSandbox,
+    UnsupportedTaskEnvironment,
 )
 from sandbox_service.server import ServiceThread, TaskStore, create_app
 
@@ -111,6 +112,14 @@ def test_errors_come_back_as_the_same_exceptions_with_the_server_message(service
     assert raw.status_code == 400 and "not valid JSON" in raw.json()["message"]
     raw = httpx.get(f"{service.thread.url}/v1/no-such-route")
     assert raw.status_code == 404 and raw.json()["error"] == "not_found"
+
+
+def test_unsupported_environment_comes_back_as_the_contract_error(service, tmp_path):
+    alpine = write_hello_task(tmp_path / "alpine", docker_image="alpine:3.19")
+    with pytest.raises(UnsupportedTaskEnvironment, match="alpine") as raised:
+        service.client.create(alpine, run_id=new_run_id())
+    assert isinstance(raised.value, UnsupportedEnvironment) and raised.value.task_id == alpine.task_id
+    assert service.controller.live_count() == 0
 
 
 def test_upload_with_a_wrong_digest_is_refused(service, hello_task):
