@@ -29,6 +29,7 @@ from sandbox_service.contracts import ExecResult, Task, TaskLimits, TerminalRead
 from sandbox_service.errors import (
     SandboxServiceError,
     ServiceUnavailable,
+    UnknownSandbox,
     UnknownTaskUpload,
     error_from_json,
 )
@@ -259,10 +260,14 @@ class RemoteSandbox:
         return wire.verifier_report_from_json(reply)
 
     def close(self) -> None:
-        """Idempotent; a sandbox the service already reclaimed counts as closed."""
+        """Idempotent; a sandbox the service already reclaimed (or, after a restart of the service,
+        no longer knows) counts as closed."""
         if self._closed:
             return
-        self._client._request("DELETE", f"/sandboxes/{self._sandbox_id}", timeout_sec=120.0)
+        try:
+            self._client._request("DELETE", f"/sandboxes/{self._sandbox_id}", timeout_sec=120.0)
+        except UnknownSandbox:
+            pass
         self._closed = True
 
     def __enter__(self) -> RemoteSandbox:
