@@ -1,0 +1,253 @@
+"""Command line of the sandbox service: `python -m sandbox_service {serve,check-tasks,reap,leak-check}`.
+
+This module owns turning flags into a backend, an admission policy and a running server; it holds
+no logic of its own beyond that wiring.
+
+    serve        run the HTTP service (until SIGINT/SIGTERM, which closes every sandbox)
+    check-tasks  run each task's reference solution and verifier; report tasks that do not pass
+    reap         kill every sandbox a backend still has for a run (after a crash)
+    leak-check   ask a running service to reclaim and report what a run left behind
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+from sandbox_service.admission import AdmissionConfig, AdmissionController
+from sandbox_service.contracts import SandboxProvider, TaskLimits
+
+DEFAULT_CACHE_DIR = Path(".cache") / "sandbox_service"  # the local backend's default, too
+
+BACKENDS = ("local", "kubernetes", "modal")
+
+
+def _rate(text: str) -> float | None:
+    if text.lower() in ("off", "none", "0"):
+        return None
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("the creation rate must be positive, or 'off'")
+    return value
+
+
+def add_backend_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("backend")
+    group.add_argument("--backend", choices=BACKENDS, default="local")
+    group.add_argument(
+        "--toolchain-dir",
+        type=Path,
+        default=None,
+        help="the pinned verifier toolchain (python -m sandbox_service.verifier --setup); "
+        "default: <cache-dir>/verifier-toolchain",
+    )
+    group.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=DEFAULT_CACHE_DIR,
+        help="local: built environments and sandbox state (reap finds leftovers here)",
+    )
+    group.add_argument(
+        "--allow-internet",
+        action="store_true",
+        help="local: let tasks that allow internet reach it (default: every sandbox is offline)",
+    )
+    group.add_argument(
+        "--namespace", default="t1jax-sandboxes", help="kubernetes: namespace of the sandbox Pods"
+    )
+    group.add_argument(
+        "--image-registry",
+        default=None,
+        help="kubernetes: registry holding pre-built images of Dockerfile-only tasks",
+    )
+    group.add_argument(
+        "--runtime-class", default=None, help="kubernetes: RuntimeClass of sandbox Pods (e.g. gvisor)"
+    )
+    group.add_argument("--modal-app", default="t1jax-sandboxes", help="modal: app the sandboxes belong to")
+
+
+def build_backend(args: argparse.Namespace) -> SandboxProvider:
+    toolchain_dir = args.toolchain_dir or args.cache_dir / "verifier-toolchain"
+    if args.backend == "kubernetes":
+        from sandbox_service.backends.kubernetes import KubernetesBackend, KubernetesConfig
+
+        return KubernetesBackend(
+            KubernetesConfig(
+                namespace=args.namespace,
+                image_registry=args.image_registry,
+                runtime_class_name=args.runtime_class,
+                toolchain_dir=toolchain_dir,
+            )
+        )
+    if args.backend == "modal":
+        from sandbox_service.backends.modal import ModalBackend, ModalConfig
+
+        return ModalBackend(ModalConfig(app_name=args.modal_app, toolchain_dir=toolchain_dir))
+    from sandbox_service.backends.local import LocalBackend
+
+    return LocalBackend(
+        cache_dir=args.cache_dir, toolchain_dir=toolchain_dir, allow_internet=args.allow_internet
+    )
+
+
+def admission_config(args: argparse.Namespace) -> AdmissionConfig:
+    return AdmissionConfig(
+        create_rate_per_sec=args.rate,
+        create_burst=args.burst,
+        max_live_sandboxes=args.max_live,
+        deadline_caps=TaskLimits(
+            agent_timeout_sec=args.agent_timeout,
+            verifier_timeout_sec=args.verifier_timeout,
+            total_timeout_sec=args.total_timeout,
+        ),
+        admission_timeout_sec=args.admission_timeout,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from sandbox_service.server import TaskStore, create_app, serve
+
+    backend = build_backend(args)
+    controller = AdmissionController(backend, admission_config(args))
+    store_dir = args.task_store or Path(tempfile.mkdtemp(prefix="t1jax-task-store-"))
+    close_backend = getattr(backend, "close", None)
+    app = create_app(controller, TaskStore(store_dir), backend_name=args.backend, on_shutdown=close_backend)
+    # SIGINT/SIGTERM: uvicorn stops accepting requests, the app's shutdown closes every trial and the
+    # backend, then uvicorn re-raises the signal (so the exit status says which signal ended it).
+    serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_check_tasks(args: argparse.Namespace) -> int:
+    from sandbox_service.check_tasks import all_sound, check_tasks
+
+    backend = None
+    if args.url:
+        from sandbox_service.client import SandboxServiceClient
+
+        provider: SandboxProvider = SandboxServiceClient(args.url)
+    else:
+        backend = build_backend(args)
+        provider = AdmissionController(backend, AdmissionConfig(create_rate_per_sec=None))
+    try:
+        audits = check_tasks(
+            args.tasks_dir,
+            provider,
+            max_workers=args.workers,
+            on_audit=lambda audit: print(audit.line(), flush=True),
+        )
+    finally:
+        if isinstance(provider, AdmissionController):
+            provider.shutdown()
+        else:
+            provider.close()  # type: ignore[attr-defined]
+        close_backend = getattr(backend, "close", None)
+        if close_backend is not None:
+            close_backend()
+    sound = sum(audit.sound for audit in audits)
+    print(f"{sound}/{len(audits)} tasks sound (solution passes every assertion, no-op fails one)", flush=True)
+    return 0 if all_sound(audits) else 1
+
+
+def cmd_reap(args: argparse.Namespace) -> int:
+    backend = build_backend(args)
+    try:
+        reaped = backend.reap(args.run_id)  # type: ignore[attr-defined]
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+    print(json.dumps({"run_id": args.run_id, "reaped": reaped}))
+    return 0
+
+
+def cmd_leak_check(args: argparse.Namespace) -> int:
+    from sandbox_service.client import SandboxServiceClient
+
+    with SandboxServiceClient(args.url) as client:
+        if args.cancel_open:
+            cancelled, report = client.reclaim_run(args.run_id)
+        else:
+            cancelled, report = [], client.leak_check(args.run_id)
+    summary = {
+        "run_id": args.run_id,
+        "cancelled": cancelled,
+        "unclosed_trials": list(report.unclosed_trials),
+        "orphaned_sandboxes": list(report.orphaned_sandboxes),
+        "remaining": list(report.remaining),
+    }
+    print(json.dumps(summary))
+    return 1 if report.remaining else 0
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="python -m sandbox_service", description=__doc__.split("\n\n")[0])
+    root.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    commands = root.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the HTTP service")
+    add_backend_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed at start)")
+    serve.add_argument(
+        "--task-store", type=Path, default=None, help="where uploaded task directories are kept"
+    )
+    policy = serve.add_argument_group("admission")
+    policy.add_argument("--rate", type=_rate, default=6.0, help="sandbox creations per second, or 'off'")
+    policy.add_argument("--burst", type=int, default=6)
+    policy.add_argument(
+        "--max-live", type=int, default=35, help="concurrency cap of live sandboxes on this node"
+    )
+    policy.add_argument(
+        "--agent-timeout", type=float, default=3600.0, help="cap on any task's agent deadline"
+    )
+    policy.add_argument(
+        "--verifier-timeout", type=float, default=900.0, help="cap on any task's verifier deadline"
+    )
+    policy.add_argument(
+        "--total-timeout", type=float, default=5400.0, help="cap on any task's total deadline"
+    )
+    policy.add_argument(
+        "--admission-timeout",
+        type=float,
+        default=None,
+        help="longest a create may wait for a slot and a token (default: no limit)",
+    )
+    serve.set_defaults(run=cmd_serve)
+
+    check = commands.add_parser("check-tasks", help="run every task's solution and verifier")
+    add_backend_flags(check)
+    check.add_argument("tasks_dir", type=Path)
+    check.add_argument(
+        "--url", default=None, help="use a running service instead of a backend in this process"
+    )
+    check.add_argument("--workers", type=int, default=2, help="tasks audited at once")
+    check.set_defaults(run=cmd_check_tasks)
+
+    reap = commands.add_parser("reap", help="kill every sandbox of a run left on a backend")
+    add_backend_flags(reap)
+    reap.add_argument("--run-id", default=None, help="default: every sandbox this backend manages")
+    reap.set_defaults(run=cmd_reap)
+
+    leak = commands.add_parser("leak-check", help="reclaim and report what a run left on a running service")
+    leak.add_argument("--url", required=True)
+    leak.add_argument("--run-id", required=True)
+    leak.add_argument("--cancel-open", action="store_true", help="also cancel the run's open trials first")
+    leak.set_defaults(run=cmd_leak_check)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

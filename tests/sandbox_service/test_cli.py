@@ -1,0 +1,105 @@
+"""`python -m sandbox_service` as a user runs it: a real server process, check-tasks, and reap
+after a crash. Each test owns its cache directory, so reaping never touches anything else."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from service_helpers import new_run_id
+from task_factory import write_hello_task
+
+from sandbox_service.backends.local import LocalBackend
+from sandbox_service.client import SandboxServiceClient
+
+pytestmark = pytest.mark.sandbox
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start_server(cache_dir: Path, toolchain_dir: Path, store: Path) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sandbox_service", "--log-level", "warning", "serve", "--backend", "local",
+         "--port", "0", "--rate", "off", "--cache-dir", str(cache_dir), "--toolchain-dir", str(toolchain_dir),
+         "--task-store", str(store)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    line = process.stdout.readline()
+    if not line.startswith("sandbox service listening on "):
+        process.kill()
+        raise AssertionError(f"server did not start: {line}{process.stdout.read()}")
+    return process, line.split()[-1].removesuffix("/v1")
+
+
+def test_serve_process_runs_trials_and_reclaims_them_on_sigterm(tmp_path, toolchain_dir):
+    cache = tmp_path / "cache"
+    process, url = start_server(cache, toolchain_dir, tmp_path / "store")
+    run_id = new_run_id()
+    try:
+        with SandboxServiceClient(url) as client:
+            task = write_hello_task(tmp_path)
+            with client.create(task, run_id=run_id) as sandbox:
+                assert sandbox.exec("echo from-the-service", 30).stdout == "from-the-service\n"
+            left_open = [client.create(task, run_id=run_id) for _ in range(2)]
+            assert client.health()["stats"]["live"] == 2
+        observer = LocalBackend(cache_dir=cache, toolchain_dir=toolchain_dir)
+        assert sorted(observer.live_sandboxes(run_id)) == sorted(s.sandbox_id for s in left_open)
+        observer.close()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+    finally:
+        if process.poll() is None:
+            process.kill()
+    observer = LocalBackend(cache_dir=cache, toolchain_dir=toolchain_dir)
+    try:
+        assert observer.live_sandboxes() == []
+    finally:
+        observer.close()
+
+
+def test_reap_after_the_server_was_killed(tmp_path, toolchain_dir):
+    cache = tmp_path / "cache"
+    process, url = start_server(cache, toolchain_dir, tmp_path / "store")
+    run_id = new_run_id()
+    try:
+        task = write_hello_task(tmp_path)
+        with SandboxServiceClient(url) as client:
+            orphans = sorted(client.create(task, run_id=run_id).sandbox_id for _ in range(2))
+    finally:
+        process.kill()  # no shutdown hook runs: a crash
+        process.wait(timeout=60)
+    reap = subprocess.run(
+        [sys.executable, "-m", "sandbox_service", "reap", "--backend", "local", "--cache-dir", str(cache),
+         "--toolchain-dir", str(toolchain_dir), "--run-id", run_id],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert reap.returncode == 0, reap.stderr
+    assert sorted(json.loads(reap.stdout)["reaped"]) == orphans
+    observer = LocalBackend(cache_dir=cache, toolchain_dir=toolchain_dir)
+    try:
+        assert observer.live_sandboxes() == []
+    finally:
+        observer.close()
+
+
+def test_check_tasks_command_audits_a_task_pool(tmp_path, toolchain_dir):
+    pool = tmp_path / "pool"
+    shutil.copytree(REPO / "tests" / "data" / "tasks" / "harbor" / "hello-world", pool / "hello-world")
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "sandbox_service", "check-tasks", str(pool), "--backend", "local",
+         "--cache-dir", str(tmp_path / "cache"), "--toolchain-dir", str(toolchain_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "t1jax/hello-world sound solution 2/2 noop 0/2" in result.stdout
+    assert "1/1 tasks sound" in result.stdout
+    assert time.monotonic() - started < 300
