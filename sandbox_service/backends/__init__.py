@@ -16,7 +16,11 @@ from typing import Any
 from sandbox_service.contracts import SandboxProvider
 
 DEFAULT_BACKEND = "local"
-_BACKENDS: dict[str, str] = {"local": "sandbox_service.backends.local:LocalBackend"}
+_BACKENDS: dict[str, str] = {
+    "local": "sandbox_service.backends.local:LocalBackend",
+    "kubernetes": "sandbox_service.backends.kubernetes:KubernetesBackend",
+    "modal": "sandbox_service.backends.modal:ModalBackend",
+}
 
 
 def register_backend(name: str, target: str) -> None:
