@@ -89,6 +89,8 @@ def test_conv_matches_torch_causal_conv1d_fn_and_update():
     cache = torch.zeros(BATCH, channels, kernel)
     cache[:, :, 1:] = torch.from_numpy(np.array(final)).transpose(1, 2)
     x_next = rng.standard_normal((BATCH, channels)).astype(np.float32)
-    their_next = qwen.causal_conv1d_update(torch.from_numpy(x_next)[:, :, None], cache, torch.from_numpy(weight))
+    their_next = qwen.causal_conv1d_update(
+        torch.from_numpy(x_next)[:, :, None], cache, torch.from_numpy(weight)
+    )
     our_next, _ = causal_conv1d_step(x_next, weight, final)
     np.testing.assert_allclose(our_next, their_next[:, :, 0].numpy(), rtol=1e-6, atol=1e-6)
