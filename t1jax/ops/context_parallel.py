@@ -94,14 +94,21 @@ _HIGHEST = lax.Precision.HIGHEST
 # --------------------------------------------------------------------------------------------------
 
 
-def _varying(x, axis_name):
-    """Mark ``x`` as varying over ``axis_name`` (shard_map's type system) if it is not already."""
+def _varying_axes(x):
+    """The mesh axes ``x`` varies over inside shard_map (``aval.vma`` on newer jax)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    return frozenset(aval.mat.varying if vma is None else vma)
+
+
+def _varying_like(x, like):
+    """Cast every leaf of ``x`` to vary over the mesh axes any leaf of ``like`` varies over, so that
+    loop carries and cond branches agree on shard_map's types (the values are unchanged)."""
+    axes = frozenset().union(*(_varying_axes(leaf) for leaf in jax.tree.leaves(like)))
 
     def cast(leaf):
-        try:
-            return lax.pcast(leaf, axis_name, to="varying")
-        except ValueError:  # already varying: pcast only converts from invariant
-            return leaf
+        missing = tuple(sorted(axes - _varying_axes(leaf), key=str))
+        return lax.pcast(leaf, missing, to="varying") if missing else leaf
 
     return jax.tree.map(cast, x)
 
@@ -148,7 +155,8 @@ def _relay_forward(terms, state0, axis_name, precision):
         incoming = jnp.where(index == round_index + 1, received, incoming)
         return incoming, out, final
 
-    carry = _varying((state0, jnp.zeros(out_shape, jnp.float32), jnp.zeros_like(state0)), axis_name)
+    carry = (state0, jnp.zeros(out_shape, jnp.float32), jnp.zeros_like(state0))
+    carry = _varying_like(carry, (terms, state0, lax.axis_index(axis_name)))
     incoming, out, final = lax.fori_loop(0, size, run_round, carry)
     return out, final, incoming
 
@@ -187,7 +195,8 @@ def _relay_scan_bwd(axis_name, precision, residuals, cotangents):
         return d_state_out, d_terms, d_incoming
 
     zeros_terms = jax.tree.map(jnp.zeros_like, terms)
-    carry = _varying((d_final, zeros_terms, jnp.zeros_like(incoming)), axis_name)
+    carry = (d_final, zeros_terms, jnp.zeros_like(incoming))
+    carry = _varying_like(carry, (terms, incoming, d_out, d_final, lax.axis_index(axis_name)))
     _, d_terms, d_incoming = lax.fori_loop(0, size, run_round, carry)
     # Only shard 0 read state0; the replicated input's cotangent is summed over shards by shard_map.
     d_state0 = jnp.where(index == 0, d_incoming, 0.0)
@@ -238,7 +247,8 @@ def gated_delta_rule_shard(
     else:
         state0 = initial_state.astype(jnp.float32)
     terms = intra_chunk_terms(q, k, v, g, beta, valid, starts, chunk_size=chunk_size, precision=precision)
-    out, final = _relay_scan(terms, _varying(state0, axis_name), axis_name, precision)
+    state0 = _varying_like(state0, (terms, lax.axis_index(axis_name)))
+    out, final = _relay_scan(terms, state0, axis_name, precision)
     out = jnp.where(valid[..., None, None], _from_chunks(out), 0.0)
     return out, _from_shard(final, size - 1, axis_name)
 
