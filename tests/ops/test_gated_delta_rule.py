@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from t1jax.ops import chunk_gated_delta_rule, gated_delta_rule_step, recurrent_gated_delta_rule
+from t1jax.ops.gated_delta_rule import unit_lower_triangular_inverse
 from tests.ops.gdr_inputs import random_gdr_inputs, random_state, segments_from_lengths
 from tests.ops.naive_reference import naive_gated_delta_rule
 
@@ -211,3 +212,40 @@ def test_bad_shapes_are_named(fn):
         fn(q, k, v, g, beta, initial_state=np.zeros((1, HEADS, DV, DK), np.float32))
     with pytest.raises(ValueError, match="segment_ids must be"):
         fn(q, k, v, g, beta, segment_ids=np.ones((1, 9), np.int32))
+
+
+@pytest.mark.parametrize("size", [1, 5, 8, 64])
+def test_unit_lower_triangular_inverse_matches_float64_inverse(size):
+    rng = np.random.default_rng(20)
+    matrix = (0.3 * rng.standard_normal((3, size, size))).astype(np.float32)
+    expected = np.linalg.inv(np.eye(size) + np.tril(matrix.astype(np.float64), -1))
+    got = unit_lower_triangular_inverse(matrix)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+    cotangent = rng.standard_normal((3, size, size)).astype(np.float32)
+    grad = jax.grad(lambda m: jnp.sum(unit_lower_triangular_inverse(m) * cotangent))(matrix)
+    # d<G, M^-1> / dM = -M^-T G M^-T, on the strictly lower entries only (the rest is ignored).
+    expected_grad = np.tril(-np.swapaxes(expected, -1, -2) @ cotangent @ np.swapaxes(expected, -1, -2), -1)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-4, atol=1e-5 * np.abs(expected_grad).max())
+
+
+def test_random_packings_match_naive():
+    """Many random document / padding layouts through one compiled function."""
+    rng = np.random.default_rng(21)
+    length = 48
+    q, k, v, g, beta = _inputs(22, 2, length)
+    state = random_state(23, 2, HEADS, DK, DV)
+    for _ in range(6):
+        ids = np.zeros((2, length), np.int32)
+        for row in range(2):
+            position, next_id = 0, 1
+            while position < length:
+                run = int(rng.integers(1, 12))
+                is_padding = rng.random() < 0.25
+                ids[row, position : position + run] = 0 if is_padding else next_id
+                next_id += 0 if is_padding else 1
+                position += run
+        out, final = _chunk_fn(8)(q, k, v, g, beta, initial_state=state, segment_ids=ids)
+        ref_out, ref_final = naive_gated_delta_rule(q, k, v, g, beta, initial_state=state, segment_ids=ids)
+        np.testing.assert_allclose(out, ref_out, **TOL)
+        np.testing.assert_allclose(final, ref_final, **TOL)
