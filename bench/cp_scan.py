@@ -80,6 +80,9 @@ def main():
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--degrees", default="1,2,4,8")
+    parser.add_argument(
+        "--pipeline-groups", type=int, default=None, help="head groups of the wavefront (default: auto)"
+    )
     options = parser.parse_args()
     degrees = [int(d) for d in options.degrees.split(",")]
     args, weights = make_inputs(options.batch, options.length, options.heads, options.dk, options.dv)
@@ -96,21 +99,28 @@ def main():
         f"args {memory.argument_size_in_bytes / 2**20:8.2f} MiB  {seconds * 1e3:9.1f} ms/call"
     )
 
-    header = f"{'context degree':>18}  {'temp MiB':>9}  {'args MiB':>9}  {'temp ratio':>10}  "
+    header = f"{'context degree':>18}  {'groups':>6}  {'temp MiB':>9}  {'args MiB':>9}  {'temp ratio':>10}  "
     header += f"{'args ratio':>10}  {'ms/call':>9}  {'time ratio':>10}"
     print(header)
     base = None
     for degree in degrees:
         mesh = jax.make_mesh((degree,), ("context",), devices=jax.devices()[:degree])
         op = functools.partial(
-            context_parallel_gated_delta_rule, mesh=mesh, chunk_size=options.chunk_size
+            context_parallel_gated_delta_rule,
+            mesh=mesh,
+            chunk_size=options.chunk_size,
+            pipeline_groups=options.pipeline_groups,
+        )
+        groups = options.pipeline_groups or max(
+            d for d in range(1, min(options.heads, degree) + 1) if options.heads % d == 0
         )
         memory, seconds = measure(grad_fn(op), place(mesh, list(args), list(weights)), options.repeats)
         row = (memory.temp_size_in_bytes, memory.argument_size_in_bytes, seconds)
         base = base or row
         print(
-            f"{degree:>18}  {row[0] / 2**20:9.2f}  {row[1] / 2**20:9.2f}  {row[0] / base[0]:10.3f}  "
-            f"{row[1] / base[1]:10.3f}  {row[2] * 1e3:9.1f}  {row[2] / base[2]:10.2f}"
+            f"{degree:>18}  {groups:>6}  {row[0] / 2**20:9.2f}  {row[1] / 2**20:9.2f}  "
+            f"{row[0] / base[0]:10.3f}  {row[1] / base[1]:10.3f}  "
+            f"{row[2] * 1e3:9.1f}  {row[2] / base[2]:10.2f}"
         )
 
 
