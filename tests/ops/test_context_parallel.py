@@ -281,6 +281,12 @@ def test_relayout_round_trip_matches_numpy_zigzag(degree):
     np.testing.assert_array_equal(to_contiguous, contiguous)
     back = move(to_contiguous, descriptor.contiguous_position())
     np.testing.assert_array_equal(back, interleaved)
+    # The gradient of a relayout is the inverse relayout of the cotangent.
+    cotangent = np.random.default_rng(14).standard_normal(contiguous.shape).astype(np.float32)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(move(x, descriptor.interleaved_position()) * cotangent)))(
+        interleaved
+    )
+    np.testing.assert_array_equal(grad, _permute_rows(cotangent, descriptor.contiguous_position()))
 
 
 def test_descriptor_counts_segments_per_sample_when_real_and_padding_have_equal_length():
