@@ -49,8 +49,9 @@ flowing shard r -> r - 1) re-runs the shard's local scan of one head group under
 its turn comes, so per-chunk states are rematerialised locally and never stored for the whole
 sequence. Without it, autodiff of the relay loop would keep every step's scan residuals (D x T/D = T
 per device), and activation memory would not fall with D. ``bench/cp_scan.py`` measures it: per
-device temp memory of forward + backward at T = 4096 is 0.55 / 0.24 / 0.12 of degree 1 for
-D = 2 / 4 / 8 (the slices of one head group add 1/G of the chunk terms).
+device temp memory of forward + backward at T = 8192 (H = 4, dk = dv = 64) is 0.54 / 0.24 / 0.12
+of degree 1 for D = 2 / 4 / 8 with the default head groups, 0.46 / 0.23 / 0.12 with G = 1 (the
+slice of one head group adds 1/G of the chunk terms).
 
 Relayout
 --------
