@@ -76,4 +76,6 @@ def _jitted_critic(graphdef):
 def critic_forward(critic, input_ids, segment_ids):
     """(final hidden states, values) of a critic under jit."""
     graphdef, state = nnx.split(critic)
-    return _jitted_critic(graphdef)(state, jnp.asarray(input_ids, jnp.int32), jnp.asarray(segment_ids, jnp.int32))
+    return _jitted_critic(graphdef)(
+        state, jnp.asarray(input_ids, jnp.int32), jnp.asarray(segment_ids, jnp.int32)
+    )

@@ -51,7 +51,10 @@ def test_legacy_rope_keys_and_ignored_fields():
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"num_key_value_heads": 3}, r"num_attention_heads \(16\) must be a multiple of num_key_value_heads \(3\)"),
+        (
+            {"num_key_value_heads": 3},
+            r"num_attention_heads \(16\) must be a multiple of num_key_value_heads \(3\)",
+        ),
         ({"linear_num_key_heads": 5}, r"linear_num_value_heads \(32\) must be a multiple"),
         ({"num_experts_per_tok": 300}, r"num_experts_per_tok \(300\) exceeds num_experts \(256\)"),
         ({"layer_types": ["linear_attention"] * 39 + ["sliding"]}, r"layer_types\[39\] is 'sliding'"),
