@@ -3,10 +3,12 @@
 Both run the same config (configs/tiny_cpu.yaml), the same weights (a random transformers model
 saved with `save_pretrained` and loaded by `t1jax.model.from_pretrained`) and the same batch, and
 compute the same loss (mean next-token cross-entropy) and its gradient w.r.t. every parameter.
-Prints tokens/s for both and the ratio, then a table of XLA CPU threading settings (each measured
-in a fresh process, since XLA flags are read once at start-up) with user/system CPU seconds.
+Prints tokens/s for both (from each one's fastest timed step: the machine is shared, and the
+fastest step is the one least disturbed by other load) and the ratio, then a table of XLA CPU
+threading settings (each measured in a fresh process, since XLA flags are read once at start-up)
+with user/system CPU seconds.
 
-    .venv/bin/python bench/model_step.py [--batch 4] [--seq 256] [--steps 3] [--no-table] [--xla-flags F]
+    .venv/bin/python bench/model_step.py [--batch 4] [--seq 256] [--steps 5] [--no-table] [--xla-flags F]
 
 Timings on a shared machine are noisy; the ratio compares two runs made back to back.
 """
@@ -77,11 +79,12 @@ def time_torch(model, ids, steps: int) -> dict:
         return float(loss.detach())
 
     step()  # warm-up
-    start = time.perf_counter()
+    durations = []
     for _ in range(steps):
+        start = time.perf_counter()
         loss = step()
-    elapsed = time.perf_counter() - start
-    return {"tokens_per_s": ids.size * steps / elapsed, "loss": loss, "threads": torch.get_num_threads()}
+        durations.append(time.perf_counter() - start)
+    return {"tokens_per_s": ids.size / min(durations), "loss": loss, "threads": torch.get_num_threads()}
 
 
 def time_jax(checkpoint: Path, ids, steps: int) -> dict:
@@ -108,14 +111,15 @@ def time_jax(checkpoint: Path, ids, steps: int) -> dict:
     jax.block_until_ready(step(params))
     compile_s = time.perf_counter() - compile_start
     usage_before = resource.getrusage(resource.RUSAGE_SELF)
-    start = time.perf_counter()
+    durations = []
     for _ in range(steps):
-        loss, grads = step(params)
-    jax.block_until_ready(grads)
-    elapsed = time.perf_counter() - start
+        start = time.perf_counter()
+        loss, grads = jax.block_until_ready(step(params))
+        durations.append(time.perf_counter() - start)
+    elapsed = sum(durations)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {
-        "tokens_per_s": ids.size * steps / elapsed,
+        "tokens_per_s": ids.size / min(durations),
         "loss": float(loss),
         "compile_s": compile_s,
         "user_s": usage.ru_utime - usage_before.ru_utime,
@@ -150,7 +154,7 @@ def main() -> None:
     )
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no-table", action="store_true", help="skip the XLA threading table")
     parser.add_argument(
         "--xla-flags", default="", help="XLA_FLAGS of the headline jax run (default: none, one CPU device)"
