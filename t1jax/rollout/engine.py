@@ -165,7 +165,8 @@ class JaxEngine:
         self._cache = self._new_cache()
         self._cache_shardings = jax.tree.map(lambda a: a.sharding, self._cache)
         self._zero_row_state = jax.device_put(self._row_linear_state(self._cache, 0), self._replicated)
-        self.compile_counts: collections.Counter[str] = collections.Counter()
+        self.compile_counts: collections.Counter[str] = collections.Counter()  # traces per step function
+        self.step_counts: collections.Counter[str] = collections.Counter()  # device steps run
         self._build_step_functions()
 
         self.prefix_cache = PrefixCache(config.block_size, config.prefix_cache_bytes)
@@ -250,6 +251,12 @@ class JaxEngine:
             done.wait()
             if publication["error"] is not None:
                 raise EngineClosed("the sampler engine was closed before the publication took effect")
+
+    def progress(self, request_id: str) -> int | None:
+        """Tokens generated so far for an undelivered request, or None if unknown/delivered."""
+        with self._cv:
+            work = self._known.get(request_id)
+            return None if work is None else len(work.tokens)
 
     def clear_prefix_cache(self) -> None:
         """Drop every cached prefix (waits for the scheduler to be between steps)."""
@@ -572,6 +579,7 @@ class JaxEngine:
             self._seed_high,
         )
         token, logprob, raw, routing = jax.device_get((token, logprob, raw, routing))
+        self.step_counts["prefill"] += 1
         for slot, work in enumerate(self._slots):
             if work is None or work.phase != _PREFILL:
                 continue
@@ -608,6 +616,7 @@ class JaxEngine:
             index,
         )
         token, logprob, raw, routing = jax.device_get((token, logprob, raw, routing))
+        self.step_counts["decode"] += 1
         for slot, work in enumerate(self._slots):
             if work is None or not active[slot]:
                 continue
