@@ -8,7 +8,7 @@ that the sampler and any trainer-side check compute it identically:
                 exactly k survive; k = 0 keeps all)
     top-p     : over the top-k survivors, renormalised, keep a token iff the probability mass
                 ranked strictly before it is < top_p (the smallest prefix reaching top_p; the
-                best token always survives)
+                best token always survives); top_p = 1 keeps all
     processed = log_softmax(scaled restricted to the survivors)
 
 `raw` logprobs are `log_softmax(logits)` with no processing at all.
@@ -68,7 +68,9 @@ def processed_log_distribution(
     keep_sorted = (top_k <= 0) | (rank < top_k)
     sorted_probs = jax.nn.softmax(jnp.where(keep_sorted, sorted_scaled, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep_sorted = keep_sorted & (mass_before < jnp.asarray(top_p, jnp.float32)[..., None])
+    top_p = jnp.asarray(top_p, jnp.float32)[..., None]
+    # top_p >= 1 disables the filter outright: a float32 cumsum can reach 1.0 before the tail.
+    keep_sorted = keep_sorted & ((top_p >= 1.0) | (mass_before < top_p))
     keep_sorted = keep_sorted.at[..., 0].set(True)
     inverse = jnp.argsort(order, axis=-1)
     keep = jnp.take_along_axis(keep_sorted, inverse, axis=-1)

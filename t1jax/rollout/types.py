@@ -10,8 +10,9 @@ Every sampler (the embedded JAX engine, the vLLM-TPU adapter) implements `Sample
 - `routing` has one row per position whose token was fed through the model:
   shape `int32[len(prompt_ids) + len(completion_ids) - 1, num_layers, top_k]`; row j holds, for
   every MoE layer, the experts chosen for input position j. The last sampled token is never fed,
-  so it has no row. A sampler for a dense model returns `routing=None`, and so does an aborted
-  request that produced no token (its prompt may not have been fully prefilled).
+  so it has no row. A sampler for a dense model returns `routing=None`; so may an aborted request
+  (the JAX engine: when it produced no token; vLLM: always, it reports routing only for finished
+  requests). Every STOP / LENGTH result of an MoE sampler carries routing.
 - A request is served entirely by one policy version (`policy_version`): `publish` waits for a
   barrier between requests and never swaps weights under a running request.
 """

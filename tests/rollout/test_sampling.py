@@ -122,3 +122,11 @@ def test_seed_must_be_a_64_bit_non_negative_int():
     for bad in (-1, 2**64, 1.5, True):
         with pytest.raises(ValueError, match="seed"):
             split_seed(bad)
+
+
+def test_without_processing_the_processed_distribution_is_the_raw_one():
+    # peaked logits: a float32 cumulative sum reaches 1.0 long before the tail, which top_p = 1
+    # must not cut
+    logits = np.random.default_rng(1).normal(size=(2, 2048)).astype(np.float32) * 30
+    got = np.asarray(_processed(jnp.asarray(logits), jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0)))
+    np.testing.assert_array_equal(got, np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1)))
