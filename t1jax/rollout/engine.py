@@ -89,7 +89,9 @@ class EngineConfig:
         if self.mesh_shape is not None:
             unknown = set(self.mesh_shape) - set(MESH_AXES)
             if unknown:
-                raise ValueError(f"EngineConfig.mesh_shape names unknown axes {sorted(unknown)}; known: {MESH_AXES}")
+                raise ValueError(
+                    f"EngineConfig.mesh_shape names unknown axes {sorted(unknown)}; known: {MESH_AXES}"
+                )
 
 
 class EngineClosed(RuntimeError):
@@ -316,16 +318,22 @@ class JaxEngine:
             )
         params = request.params
         if not isinstance(params.max_new_tokens, (int, np.integer)) or params.max_new_tokens < 1:
-            raise ValueError(f"request {rid}: max_new_tokens must be an int >= 1, got {params.max_new_tokens!r}")
+            raise ValueError(
+                f"request {rid}: max_new_tokens must be an int >= 1, got {params.max_new_tokens!r}"
+            )
         if not np.isfinite(params.temperature) or params.temperature < 0:
             raise ValueError(f"request {rid}: temperature must be finite and >= 0, got {params.temperature}")
         if not 0 < params.top_p <= 1:
             raise ValueError(f"request {rid}: top_p must lie in (0, 1], got {params.top_p}")
         if not isinstance(params.top_k, (int, np.integer)) or params.top_k < 0:
-            raise ValueError(f"request {rid}: top_k must be an int >= 0 (0 disables it), got {params.top_k!r}")
+            raise ValueError(
+                f"request {rid}: top_k must be an int >= 0 (0 disables it), got {params.top_k!r}"
+            )
         for stop in params.stop_token_ids:
             if not 0 <= int(stop) < vocab:
-                raise ValueError(f"request {rid}: stop token id {stop} is outside the vocabulary [0, {vocab})")
+                raise ValueError(
+                    f"request {rid}: stop token id {stop} is outside the vocabulary [0, {vocab})"
+                )
         try:
             split_seed(params.seed)
         except ValueError as error:
@@ -349,11 +357,14 @@ class JaxEngine:
             if isinstance(layer, AttentionLayerCache):
                 spec = (ACT_BATCH, None, ACT_KV_HEADS, None)
                 return AttentionLayerCache(
-                    key=self._cache_spec(layer.key.shape, spec), value=self._cache_spec(layer.value.shape, spec)
+                    key=self._cache_spec(layer.key.shape, spec),
+                    value=self._cache_spec(layer.value.shape, spec),
                 )
             return LinearLayerCache(
                 conv_state=self._cache_spec(layer.conv_state.shape, (ACT_BATCH, None, None)),
-                recurrent_state=self._cache_spec(layer.recurrent_state.shape, (ACT_BATCH, ACT_HEADS, None, None)),
+                recurrent_state=self._cache_spec(
+                    layer.recurrent_state.shape, (ACT_BATCH, ACT_HEADS, None, None)
+                ),
             )
 
         shardings = DecodeCache(
@@ -396,7 +407,9 @@ class JaxEngine:
             counts["snapshot"] += 1
             attention = tuple(
                 tuple(
-                    jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(a, row, 0, False), start, block, 0)
+                    jax.lax.dynamic_slice_in_dim(
+                        jax.lax.dynamic_index_in_dim(a, row, 0, False), start, block, 0
+                    )
                     for a in (layer.key, layer.value)
                 )
                 for layer in cache.layers
@@ -411,7 +424,9 @@ class JaxEngine:
             for layer in cache.layers:
                 if isinstance(layer, AttentionLayerCache):
                     key, value = next(kv)
-                    put = lambda a, b: jax.lax.dynamic_update_slice(a, b[None].astype(a.dtype), (row, start, 0, 0))
+                    put = lambda a, b: jax.lax.dynamic_update_slice(
+                        a, b[None].astype(a.dtype), (row, start, 0, 0)
+                    )
                     layer = AttentionLayerCache(key=put(layer.key, key), value=put(layer.value, value))
                 layers.append(layer)
             return DecodeCache(lengths=cache.lengths, layers=tuple(layers))
@@ -535,12 +550,18 @@ class JaxEngine:
             hit = self.prefix_cache.lookup(work.keys[: (prompt_len - 1) // block])
         for index, entry in enumerate(hit):
             self._cache = self._device(
-                self._restore_block, self._cache, np.int32(slot), np.int32(index * block), entry.state["attention"]
+                self._restore_block,
+                self._cache,
+                np.int32(slot),
+                np.int32(index * block),
+                entry.state["attention"],
             )
             work.routing.append(entry.routing)
         linear = hit[-1].state["linear"] if hit else self._zero_row_state
         work.prefilled = work.cached = len(hit) * block
-        self._cache = self._device(self._reset_row, self._cache, np.int32(slot), np.int32(work.prefilled), linear)
+        self._cache = self._device(
+            self._reset_row, self._cache, np.int32(slot), np.int32(work.prefilled), linear
+        )
 
     def _cache_salt(self) -> str:
         return f"policy-{self._version}"
@@ -630,7 +651,10 @@ class JaxEngine:
         params = work.request.params
         if token in params.stop_token_ids:
             self._finish(work, FinishReason.STOP)
-        elif len(work.tokens) >= params.max_new_tokens or len(work.prompt) + len(work.tokens) >= self.config.max_context:
+        elif (
+            len(work.tokens) >= params.max_new_tokens
+            or len(work.prompt) + len(work.tokens) >= self.config.max_context
+        ):
             self._finish(work, FinishReason.LENGTH)
         else:
             self._next_input[work.slot] = token

@@ -39,11 +39,15 @@ import numpy as np
 _DIGEST_BYTES = 16
 
 
-def block_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, salt: str, num_blocks: int) -> list[bytes]:
+def block_keys(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, salt: str, num_blocks: int
+) -> list[bytes]:
     """The chain keys of the first `num_blocks` full blocks of `token_ids`."""
     ids = np.asarray(token_ids, dtype=np.int32)
     if num_blocks * block_size > len(ids):
-        raise ValueError(f"{num_blocks} blocks of {block_size} need {num_blocks * block_size} ids, got {len(ids)}")
+        raise ValueError(
+            f"{num_blocks} blocks of {block_size} need {num_blocks * block_size} ids, got {len(ids)}"
+        )
     keys: list[bytes] = []
     parent = b""
     salt_bytes = salt.encode()

@@ -108,7 +108,9 @@ def sampled_logprobs(completion: Any) -> np.ndarray:
     for index, token in enumerate(token_ids):
         position = entries[index]
         if position is None or token not in position:
-            raise ValueError(f"the vLLM output has no logprob for its sampled token {token} at position {index}")
+            raise ValueError(
+                f"the vLLM output has no logprob for its sampled token {token} at position {index}"
+            )
         out[index] = position[token].logprob
     return out
 
@@ -241,7 +243,8 @@ class InPlaceWeightWriter:
         unexpected = sorted(set(named) - set(flat))
         if missing or unexpected:
             raise ValueError(
-                f"weights do not match the vLLM model runner: missing {missing[:8]}, unexpected {unexpected[:8]}"
+                f"weights do not match the vLLM model runner: missing {missing[:8]}, "
+                f"unexpected {unexpected[:8]}"
             )
         for name, variable in flat.items():
             old = variable.get_value() if isinstance(variable, nnx.Variable) else variable
@@ -383,7 +386,9 @@ class VllmSampler:
         with self._cv:
             if self._closed:
                 raise RuntimeError("the vLLM sampler is closed")
-            busy = [i for i in ids if i in self._running or any(q.request.request_id == i for q in self._queue)]
+            busy = [
+                i for i in ids if i in self._running or any(q.request.request_id == i for q in self._queue)
+            ]
             if busy:
                 raise ValueError(f"request ids already in flight: {busy}")
             self._queue.extend(pending)
@@ -581,4 +586,3 @@ def _empty_abort(request: GenerateRequest, version: int) -> GenerateResult:
         finish_reason=FinishReason.ABORT,
         policy_version=version,
     )
-

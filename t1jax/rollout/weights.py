@@ -55,7 +55,8 @@ def _flat_arrays(params: Any) -> dict[str, Any]:
         walk(params, ())
         return out
     raise TypeError(
-        f"params must be an nnx.Module, an nnx.State or a nested mapping of arrays, got {type(params).__name__}"
+        "params must be an nnx.Module, an nnx.State or a nested mapping of arrays, "
+        f"got {type(params).__name__}"
     )
 
 
@@ -89,7 +90,9 @@ def conform_params(params: Any, reference: nnx.State) -> nnx.State:
         ):
             wrong.append(f"{name} has dtype {dtype}, expected {np.dtype(want.dtype)}")
     if wrong:
-        problems.append("; ".join(wrong[:_MAX_LISTED]) + (f" ({len(wrong)} in all)" if len(wrong) > _MAX_LISTED else ""))
+        problems.append(
+            "; ".join(wrong[:_MAX_LISTED]) + (f" ({len(wrong)} in all)" if len(wrong) > _MAX_LISTED else "")
+        )
     if problems:
         raise ValueError("published parameters do not match the sampler's model: " + " | ".join(problems))
     rebuilt = []

@@ -30,7 +30,9 @@ def sharpen(model: nnx.Module, seed: int) -> None:
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = ".".join(str(p) for p in path)
         value = np.asarray(variable.get_value(), np.float32)
-        value = value + rng.standard_normal(value.shape).astype(np.float32) * 0.3 * max(float(value.std()), 0.1)
+        value = value + rng.standard_normal(value.shape).astype(np.float32) * 0.3 * max(
+            float(value.std()), 0.1
+        )
         if name == "lm_head":
             value = value * 30.0
         elif name.endswith("mlp.gate"):

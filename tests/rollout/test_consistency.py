@@ -85,7 +85,9 @@ def test_sampler_logprobs_and_routing_match_the_trainer(engine, policy, prompt_r
         prompt_len, generated = len(result.prompt_ids), len(result.completion_ids)
         fed = prompt_len + generated - 1
         mismatched = np.argwhere(free_routing[row, :fed] != result.routing)
-        assert mismatched.size == 0, f"request {row}: routing differs at (position, layer, slot) {mismatched[:5]}"
+        assert mismatched.size == 0, (
+            f"request {row}: routing differs at (position, layer, slot) {mismatched[:5]}"
+        )
 
         positions = np.arange(prompt_len - 1, fed)
         logits = replay_logits[row, positions]
@@ -103,4 +105,3 @@ def test_sampler_logprobs_and_routing_match_the_trainer(engine, policy, prompt_r
         np.testing.assert_array_equal(free_logits[row, positions], logits)
     print(f"\nmax |sampler - trainer| logprob: raw {worst_raw:.3g}, processed {worst_processed:.3g}")
     assert worst_raw < LOGPROB_TOLERANCE and worst_processed < LOGPROB_TOLERANCE
-

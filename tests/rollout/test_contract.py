@@ -87,7 +87,9 @@ def test_is_a_sampler_and_keeps_the_invariants(sampler, policy, prompt_rng):
     assert isinstance(sampler, Sampler)
     requests = [
         make_request(random_prompt(prompt_rng, 3), max_new_tokens=5),
-        make_request(random_prompt(prompt_rng, 2 * TEST_ENGINE_CONFIG.block_size + 1), temperature=0.7, top_k=5),
+        make_request(
+            random_prompt(prompt_rng, 2 * TEST_ENGINE_CONFIG.block_size + 1), temperature=0.7, top_k=5
+        ),
         make_request(random_prompt(prompt_rng, 1), temperature=0.0, max_new_tokens=7),
         make_request(random_prompt(prompt_rng, 20), top_p=0.5, seed=12),
     ]
@@ -105,7 +107,9 @@ def test_is_a_sampler_and_keeps_the_invariants(sampler, policy, prompt_rng):
 def test_stop_tokens_end_a_request(sampler, policy, prompt_rng):
     prompt = random_prompt(prompt_rng, 6)
     free = sampler.generate([make_request(prompt, temperature=0.0, max_new_tokens=6)])[0]
-    stop_request = make_request(prompt, temperature=0.0, max_new_tokens=6, stop_token_ids=(int(free.completion_ids[2]),))
+    stop_request = make_request(
+        prompt, temperature=0.0, max_new_tokens=6, stop_token_ids=(int(free.completion_ids[2]),)
+    )
     stopped = sampler.generate([stop_request])[0]
     check_invariants(sampler, stop_request, stopped, policy.config)
     assert stopped.finish_reason == FinishReason.STOP and len(stopped.completion_ids) <= 3
@@ -141,11 +145,17 @@ def test_publish_swaps_versions_between_requests(sampler, policy, prompt_rng):
 
 @pytest.mark.parametrize(
     "prompt,message",
-    [([], "empty prompt"), ([3, 2048], "outside the vocabulary"), ([1] * TEST_ENGINE_CONFIG.max_context, "context window")],
+    [
+        ([], "empty prompt"),
+        ([3, 2048], "outside the vocabulary"),
+        ([1] * TEST_ENGINE_CONFIG.max_context, "context window"),
+    ],
 )
 def test_bad_input_is_rejected_and_service_goes_on(sampler, prompt, message):
     with pytest.raises(ValueError, match=message):
         sampler.generate([make_request(prompt)])
     with pytest.raises(ValueError, match="shape"):
         sampler.publish({"lm_head": np.zeros((2, 2), np.float32)}, sampler.policy_version + 1)
-    assert sampler.generate([make_request([1, 2, 3], max_new_tokens=2)])[0].finish_reason == FinishReason.LENGTH
+    assert (
+        sampler.generate([make_request([1, 2, 3], max_new_tokens=2)])[0].finish_reason == FinishReason.LENGTH
+    )

@@ -92,7 +92,9 @@ def test_batching_does_not_change_any_request(engine, prompt_rng):
     alone = [engine.generate([r])[0] for r in requests]
     engine.clear_prefix_cache()
     before = engine.step_counts["decode"]
-    together = in_threads(engine, [GenerateRequest(r.request_id + "b", r.prompt_ids, r.params) for r in requests])
+    together = in_threads(
+        engine, [GenerateRequest(r.request_id + "b", r.prompt_ids, r.params) for r in requests]
+    )
     for a, b in zip(alone, together, strict=True):
         assert same(a, b), (a.request_id, a.completion_ids, b.completion_ids)
     decoded_tokens = sum(len(r.completion_ids) - 1 for r in together)

@@ -30,7 +30,15 @@ def reference_processed(logits, temperature, top_k, top_p):
 _processed = jax.jit(processed_log_distribution)
 _sample = jax.jit(sample)
 
-CASES = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (1.3, 0, 0.8), (0.5, 5, 0.6), (1.0, 1, 1.0), (2.0, 0, 0.05)]
+CASES = [
+    (1.0, 0, 1.0),
+    (0.7, 0, 1.0),
+    (1.0, 3, 1.0),
+    (1.3, 0, 0.8),
+    (0.5, 5, 0.6),
+    (1.0, 1, 1.0),
+    (2.0, 0, 0.05),
+]
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", CASES)

@@ -44,7 +44,9 @@ def _output(tokens=(11, 12), logprobs=(-0.5, -1.5), rows=None, finish="length", 
 
 
 def test_requests_translate_to_token_ids_and_vllm_sampling_params():
-    request = _request(temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=(2, 3), seed=2**40, max_new_tokens=9)
+    request = _request(
+        temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=(2, 3), seed=2**40, max_new_tokens=9
+    )
     assert vllm_prompt(request, 7) == {"prompt_token_ids": [5, 6, 7], "cache_salt": "policy-7"}
     kwargs = vllm_sampling_kwargs(request.params)
     assert kwargs == {

@@ -74,7 +74,9 @@ def request_output(classes, request_id, prompt_ids, token_ids, logprobs, routing
         text="",
         token_ids=[int(t) for t in token_ids],
         cumulative_logprob=float(np.sum(logprobs)),
-        logprobs=[{int(t): Logprob(logprob=float(lp), rank=1)} for t, lp in zip(token_ids, logprobs, strict=True)],
+        logprobs=[
+            {int(t): Logprob(logprob=float(lp), rank=1)} for t, lp in zip(token_ids, logprobs, strict=True)
+        ],
         routed_experts=routing,
         finish_reason=finish_reason,
     )
