@@ -13,9 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import random_prompt
 from flax import nnx
-from test_engine import in_threads, request
+from rollout_helpers import in_threads, random_prompt, request
 
 from t1jax.parallel.rules import DEFAULT_RULES, make_mesh, state_shardings
 from t1jax.rollout.sampling import processed_log_distribution

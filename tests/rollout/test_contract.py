@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 import pytest
-from conftest import TEST_ENGINE_CONFIG, make_policy, random_prompt
 from flax import nnx
+from rollout_helpers import TEST_ENGINE_CONFIG, make_policy, random_prompt
 from vllm_doubles import JaxBackedLLMEngine, output_classes, publish_to_backing_engine
 
 from t1jax.rollout.types import FinishReason, GenerateRequest, Sampler, SamplingParams

@@ -9,51 +9,21 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import TEST_ENGINE_CONFIG, make_policy, random_prompt
 from flax import nnx
+from rollout_helpers import (
+    TEST_ENGINE_CONFIG,
+    in_threads,
+    make_policy,
+    random_prompt,
+    request,
+    same,
+    wait_for_tokens,
+)
 
 from t1jax.parallel.rules import make_mesh, state_shardings
-from t1jax.rollout.types import FinishReason, GenerateRequest, SamplingParams
+from t1jax.rollout.types import FinishReason, GenerateRequest
 
 BLOCK = TEST_ENGINE_CONFIG.block_size
-_ids = iter(range(10**9))
-
-
-def request(prompt, **params) -> GenerateRequest:
-    params.setdefault("max_new_tokens", 8)
-    return GenerateRequest(f"r{next(_ids)}", np.asarray(prompt, np.int32), SamplingParams(**params))
-
-
-def same(a, b) -> bool:
-    """Bit-identical tokens, both logprob streams and routing."""
-    return (
-        np.array_equal(a.completion_ids, b.completion_ids)
-        and np.array_equal(a.logprobs, b.logprobs)
-        and np.array_equal(a.raw_logprobs, b.raw_logprobs)
-        and np.array_equal(a.routing, b.routing)
-        and a.finish_reason == b.finish_reason
-    )
-
-
-def in_threads(engine, requests):
-    results = [None] * len(requests)
-
-    def serve(index):
-        results[index] = engine.generate([requests[index]])[0]
-
-    threads = [threading.Thread(target=serve, args=(i,)) for i in range(len(requests))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
-
-
-def wait_for_tokens(engine, request_id, count, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while (engine.progress(request_id) or 0) < count:
-        assert time.monotonic() < deadline, f"{request_id} made no progress"
-        time.sleep(0.002)
 
 
 def test_prefix_cache_hit_is_bit_identical_to_a_miss(engine, prompt_rng):

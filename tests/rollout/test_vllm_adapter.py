@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import make_policy
 from flax import nnx
+from rollout_helpers import make_policy
 from vllm_doubles import output_classes, request_output
 
 from t1jax.model.hf_io import save_pretrained
