@@ -25,6 +25,7 @@ from t1jax.model.hf_io import (
     save_pretrained,
 )
 from t1jax.model.moe import route, routed_experts, validate_routing_replay
+from t1jax.model.params import abstract_params
 from t1jax.model.transformer import (
     BackboneOutput,
     CausalLMOutput,
@@ -44,6 +45,7 @@ __all__ = [
     "Qwen35MoeForCausalLM",
     "Qwen35MoeModel",
     "RopeParameters",
+    "abstract_params",
     "check_checkpoint",
     "critic_from_pretrained",
     "from_pretrained",
