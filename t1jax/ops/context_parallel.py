@@ -24,7 +24,7 @@ rounds (or one all-gather). That is exact math but not exact floating point: the
 re-associates the sums, so the state entering shard s differs from the single-device scan in the
 last bits, and it costs an extra dk x dk x C matmul per chunk to build M. We relay instead:
 
-  * the state-independent work (``intra_chunk_terms``: the triangular solve, Q K^T, decays, about
+  * the state-independent work (``intra_chunk_terms``: the triangular inverse, Q K^T, decays, about
     all of the FLOPs and all of the O(T) activations) runs on every shard at once;
   * the sequential ``inter_chunk_scan`` runs shard after shard: in round r shard r scans its own
     chunks from the state it received (exactly the state the single-device scan holds at that chunk

@@ -120,6 +120,43 @@ def test_gdr_rejects_shards_not_aligned_to_chunks():
         context_parallel_gated_delta_rule(*inputs, mesh=jax.make_mesh((2,), ("data",)), chunk_size=4)
 
 
+def _random_packing(rng, rows, length):
+    ids = np.zeros((rows, length), np.int32)
+    for row in range(rows):
+        position, next_id = 0, 1
+        while position < length:
+            run = int(rng.integers(1, 20))
+            is_padding = rng.random() < 0.25
+            ids[row, position : position + run] = 0 if is_padding else next_id
+            next_id += 0 if is_padding else 1
+            position += run
+    return ids
+
+
+def test_random_packings_are_bit_exact():
+    """Random document / padding layouts (boundaries anywhere, including shard edges) through one
+    compiled CP gated delta rule and conv at D = 4."""
+    rng = np.random.default_rng(17)
+    inputs, state = _gdr_case(18)
+    x = rng.standard_normal((BATCH, LENGTH, CHANNELS)).astype(np.float32)
+    weight = rng.standard_normal((CHANNELS, KERNEL)).astype(np.float32)
+    conv_state = rng.standard_normal((BATCH, KERNEL - 1, CHANNELS)).astype(np.float32)
+    mesh = _mesh(4)
+    cp_gdr = _cp_gdr(mesh, CHUNK)
+    cp_conv = jax.jit(functools.partial(context_parallel_causal_conv1d, mesh=mesh))
+    single_conv = jax.jit(causal_conv1d)
+    for _ in range(5):
+        ids = _random_packing(rng, BATCH, LENGTH)
+        expected = _single_gdr(CHUNK)(*inputs, initial_state=state, segment_ids=ids)
+        got = cp_gdr(*inputs, initial_state=state, segment_ids=ids)
+        np.testing.assert_array_equal(got[0], expected[0])
+        np.testing.assert_array_equal(got[1], expected[1])
+        expected = single_conv(x, weight, initial_state=conv_state, segment_ids=ids)
+        got = cp_conv(x, weight, initial_state=conv_state, segment_ids=ids)
+        np.testing.assert_array_equal(got[0], expected[0])
+        np.testing.assert_array_equal(got[1], expected[1])
+
+
 # --------------------------------------------------------------------------------------------------
 # causal conv with halo
 # --------------------------------------------------------------------------------------------------
