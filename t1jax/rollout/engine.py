@@ -162,8 +162,6 @@ class JaxEngine:
         self._state = place(state, self._state_shardings)
         self._version = int(version)
 
-        self._num_layers = model_config.num_hidden_layers
-        self._top_k = model_config.num_experts_per_tok
         self._cache = self._new_cache()
         self._cache_shardings = jax.tree.map(lambda a: a.sharding, self._cache)
         self._zero_row_state = jax.device_put(self._row_linear_state(self._cache, 0), self._replicated)

@@ -21,6 +21,7 @@ from rollout_helpers import (
 )
 
 from t1jax.parallel.rules import make_mesh, state_shardings
+from t1jax.rollout.engine import EngineClosed, JaxEngine
 from t1jax.rollout.types import FinishReason, GenerateRequest
 
 BLOCK = TEST_ENGINE_CONFIG.block_size
@@ -267,3 +268,13 @@ def test_publish_rejects_a_wrong_tree_and_keeps_serving(engine, policy, prompt_r
 
     assert engine.policy_version == version
     assert same(engine.generate([request(prompt, seed=1)])[0], before)
+
+
+def test_a_closed_engine_refuses_work(policy):
+    with JaxEngine(policy, jax.devices()[-1:], TEST_ENGINE_CONFIG) as short_lived:
+        assert short_lived._thread.is_alive()
+    assert not short_lived._thread.is_alive()
+    with pytest.raises(EngineClosed):
+        short_lived.generate([request([1, 2, 3])])
+    with pytest.raises(EngineClosed):
+        short_lived.publish(nnx.state(policy, nnx.Param), 1)
