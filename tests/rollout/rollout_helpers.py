@@ -4,6 +4,7 @@ request construction, and result comparison."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -86,3 +87,23 @@ def wait_for_tokens(engine, request_id, count, timeout=60.0):
     while (engine.progress(request_id) or 0) < count:
         assert time.monotonic() < deadline, f"{request_id} made no progress"
         time.sleep(0.002)
+
+
+@contextlib.contextmanager
+def scheduler_paused(engine):
+    """Hold the engine's scheduler thread between two steps (white box: makes a race a test
+    depends on deterministic)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        release.wait()
+
+    holder = threading.Thread(target=engine._run_on_scheduler, args=(hold,))
+    holder.start()
+    entered.wait()
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join()

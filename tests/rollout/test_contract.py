@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 from flax import nnx
-from rollout_helpers import TEST_ENGINE_CONFIG, make_policy, random_prompt
+from rollout_helpers import TEST_ENGINE_CONFIG, make_policy, random_prompt, wait_for_tokens
 from vllm_doubles import JaxBackedLLMEngine, output_classes, publish_to_backing_engine
 
 from t1jax.rollout.types import FinishReason, GenerateRequest, Sampler, SamplingParams
@@ -115,12 +115,15 @@ def test_stop_tokens_end_a_request(sampler, policy, prompt_rng):
     assert stopped.finish_reason == FinishReason.STOP and len(stopped.completion_ids) <= 3
 
 
-def test_abort_ends_a_request_early(sampler, policy, prompt_rng):
+def test_abort_ends_a_request_early(sampler, engine, policy, prompt_rng):
     victim = make_request(random_prompt(prompt_rng, 5), max_new_tokens=TEST_ENGINE_CONFIG.max_context - 10)
     results = {}
     runner = threading.Thread(target=lambda: results.__setitem__("r", sampler.generate([victim])[0]))
     runner.start()
-    time.sleep(0.2)
+    if sampler is engine or isinstance(getattr(sampler, "engine", None), JaxBackedLLMEngine):
+        wait_for_tokens(engine, victim.request_id, 2)  # the JAX engine generates for both
+    else:
+        time.sleep(0.5)
     sampler.abort([victim.request_id, "unknown-id"])
     runner.join(timeout=120)
     aborted = results["r"]

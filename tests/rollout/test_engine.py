@@ -17,6 +17,7 @@ from rollout_helpers import (
     random_prompt,
     request,
     same,
+    scheduler_paused,
     wait_for_tokens,
 )
 
@@ -150,10 +151,11 @@ def test_abort_of_a_queued_request_returns_it_empty(engine, prompt_rng):
         thread.start()
     for r in long:
         wait_for_tokens(engine, r.request_id, 1)
-    threads[4].start()
-    while engine.progress(queued.request_id) is None:
-        time.sleep(0.001)
-    engine.abort([queued.request_id] + [r.request_id for r in long])
+    with scheduler_paused(engine):  # every slot stays busy: the fifth request must queue
+        threads[4].start()
+        while engine.progress(queued.request_id) is None:
+            time.sleep(0.001)
+        engine.abort([queued.request_id] + [r.request_id for r in long])
     for thread in threads:
         thread.join()
     empty = results[queued.request_id]
@@ -179,10 +181,12 @@ def test_publish_is_a_barrier_and_swaps_the_policy(engine, policy, prompt_rng):
     runner = threading.Thread(target=lambda: results.__setitem__("long", engine.generate([long])[0]))
     runner.start()
     wait_for_tokens(engine, long.request_id, 2)
-    engine.publish(trainer_state, old_version + 1)  # returns only after the barrier
+    publisher = publish_while_busy(engine, trainer_state, old_version + 1, long.request_id)
+    publisher.join()  # publish returned only after the barrier ...
+    assert engine.progress(long.request_id) is None  # ... that let the long request finish first
+    runner.join()
     assert results["long"].policy_version == old_version  # finished under the old weights
     assert results["long"].finish_reason == FinishReason.LENGTH
-    runner.join()
     assert engine.policy_version == old_version + 1 and len(engine.prefix_cache) == 0
     leaves = jax.tree.leaves(engine._state)
     assert all(leaf.sharding.device_set <= set(jax.devices()[4:]) for leaf in leaves)
@@ -195,12 +199,28 @@ def test_publish_is_a_barrier_and_swaps_the_policy(engine, policy, prompt_rng):
     runner = threading.Thread(target=lambda: results.__setitem__("victim", engine.generate([victim])[0]))
     runner.start()
     wait_for_tokens(engine, victim.request_id, 2)
-    engine.publish(nnx.to_pure_dict(nnx.state(policy, nnx.Param)), old_version + 2, abort_in_flight=True)
+    original = nnx.to_pure_dict(nnx.state(policy, nnx.Param))
+    publish_while_busy(engine, original, old_version + 2, victim.request_id, abort_in_flight=True).join()
     runner.join()
     assert results["victim"].finish_reason == FinishReason.ABORT
     assert results["victim"].policy_version == old_version + 1
     restored = engine.generate([request(prompt, **params)])[0]
     assert restored.policy_version == old_version + 2 and same(restored, before)
+
+
+def publish_while_busy(engine, params, version, busy_request_id, **options) -> threading.Thread:
+    """Start `publish` in a thread so that its barrier certainly meets `busy_request_id` in
+    flight: the scheduler is held between two steps until the publication is registered.
+    Returns the publishing thread."""
+    publisher = threading.Thread(target=engine.publish, args=(params, version), kwargs=options)
+    with scheduler_paused(engine):
+        publisher.start()
+        deadline = time.monotonic() + 120
+        while engine._publication is None:
+            assert time.monotonic() < deadline and publisher.is_alive(), "publish never reached the barrier"
+            time.sleep(0.002)
+        assert engine.progress(busy_request_id) is not None
+    return publisher
 
 
 def test_engine_params_live_on_its_own_devices(engine):
