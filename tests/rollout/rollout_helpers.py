@@ -69,14 +69,19 @@ def same(a, b) -> bool:
 
 
 def in_threads(engine, requests):
+    """Each request from its own thread, as trial threads call a sampler; the scheduler is held
+    until all are queued, so they certainly run together."""
     results = [None] * len(requests)
 
     def serve(index):
         results[index] = engine.generate([requests[index]])[0]
 
     threads = [threading.Thread(target=serve, args=(i,)) for i in range(len(requests))]
-    for thread in threads:
-        thread.start()
+    with scheduler_paused(engine):
+        for thread in threads:
+            thread.start()
+        while any(engine.progress(r.request_id) is None for r in requests):
+            time.sleep(0.001)
     for thread in threads:
         thread.join()
     return results
