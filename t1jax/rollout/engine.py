@@ -61,6 +61,7 @@ from t1jax.parallel.rules import (
 from t1jax.rollout.prefix_cache import PrefixCache, block_keys
 from t1jax.rollout.sampling import sample, split_seed
 from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult
+from t1jax.rollout.validation import checked_prompt
 from t1jax.rollout.weights import conform_params, place
 
 logger = logging.getLogger(__name__)
@@ -290,53 +291,7 @@ class JaxEngine:
 
     # ---- input checks ------------------------------------------------------------------------
     def _checked_prompt(self, request: GenerateRequest) -> np.ndarray:
-        rid = request.request_id
-        if not isinstance(rid, str) or not rid:
-            raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
-        prompt = np.asarray(request.prompt_ids)
-        if prompt.ndim != 1:
-            raise ValueError(f"request {rid}: prompt_ids must be 1-D, got shape {prompt.shape}")
-        if prompt.size == 0:
-            raise ValueError(f"request {rid}: empty prompt (at least one token id is needed)")
-        if not np.issubdtype(prompt.dtype, np.integer):
-            raise ValueError(f"request {rid}: prompt_ids must be integer token ids, got dtype {prompt.dtype}")
-        vocab = self.model_config.vocab_size
-        bad = (prompt < 0) | (prompt >= vocab)
-        if bad.any():
-            at = int(np.argmax(bad))
-            raise ValueError(
-                f"request {rid}: prompt token id {int(prompt[at])} at position {at} is outside the "
-                f"vocabulary [0, {vocab})"
-            )
-        if len(prompt) >= self.config.max_context:
-            raise ValueError(
-                f"request {rid}: prompt of {len(prompt)} tokens does not fit the context window of "
-                f"{self.config.max_context} tokens (at most {self.config.max_context - 1}, leaving room "
-                f"for one generated token)"
-            )
-        params = request.params
-        if not isinstance(params.max_new_tokens, (int, np.integer)) or params.max_new_tokens < 1:
-            raise ValueError(
-                f"request {rid}: max_new_tokens must be an int >= 1, got {params.max_new_tokens!r}"
-            )
-        if not np.isfinite(params.temperature) or params.temperature < 0:
-            raise ValueError(f"request {rid}: temperature must be finite and >= 0, got {params.temperature}")
-        if not 0 < params.top_p <= 1:
-            raise ValueError(f"request {rid}: top_p must lie in (0, 1], got {params.top_p}")
-        if not isinstance(params.top_k, (int, np.integer)) or params.top_k < 0:
-            raise ValueError(
-                f"request {rid}: top_k must be an int >= 0 (0 disables it), got {params.top_k!r}"
-            )
-        for stop in params.stop_token_ids:
-            if not 0 <= int(stop) < vocab:
-                raise ValueError(
-                    f"request {rid}: stop token id {stop} is outside the vocabulary [0, {vocab})"
-                )
-        try:
-            split_seed(params.seed)
-        except ValueError as error:
-            raise ValueError(f"request {rid}: {error}") from None
-        return prompt.astype(np.int32)
+        return checked_prompt(request, self.model_config.vocab_size, self.config.max_context)
 
     # ---- device state and compiled steps -----------------------------------------------------
     def _cache_spec(self, shape, logical) -> NamedSharding:

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from t1jax.rollout.validation import checked_prompt
 
 FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 PROCESSED, RAW = "processed_logprobs", "raw_logprobs"
@@ -289,6 +290,7 @@ class _Pending:
         self.error: BaseException | None = None
         self.version = -1
         self.latest: Any = None  # the newest unfinished (cumulative) RequestOutput
+        self.vllm_params: Any = None
 
 
 class VllmSampler:
@@ -380,6 +382,11 @@ class VllmSampler:
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         pending = [_Pending(self._checked(request)) for request in requests]
+        for item in pending:  # built here so that vLLM's own validation errors reach the caller
+            try:
+                item.vllm_params = self._make_params(**vllm_sampling_kwargs(item.request.params))
+            except Exception as error:
+                raise ValueError(f"request {item.request.request_id}: {error}") from error
         ids = [p.request.request_id for p in pending]
         if len(set(ids)) != len(ids):
             raise ValueError(f"request ids repeated within one generate call: {sorted(ids)}")
@@ -431,26 +438,7 @@ class VllmSampler:
 
     # ---- driver --------------------------------------------------------------------------------
     def _checked(self, request: GenerateRequest) -> GenerateRequest:
-        rid = request.request_id
-        prompt = np.asarray(request.prompt_ids)
-        if prompt.ndim != 1 or prompt.size == 0:
-            raise ValueError(f"request {rid}: prompt_ids must be a non-empty 1-D array (empty prompt?)")
-        if not np.issubdtype(prompt.dtype, np.integer):
-            raise ValueError(f"request {rid}: prompt_ids must be integer token ids, got dtype {prompt.dtype}")
-        bad = (prompt < 0) | (prompt >= self.vocab_size)
-        if bad.any():
-            at = int(np.argmax(bad))
-            raise ValueError(
-                f"request {rid}: prompt token id {int(prompt[at])} at position {at} is outside the "
-                f"vocabulary [0, {self.vocab_size})"
-            )
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"request {rid}: prompt of {len(prompt)} tokens does not fit the context window of "
-                f"{self.max_model_len} tokens"
-            )
-        if request.params.max_new_tokens < 1:
-            raise ValueError(f"request {rid}: max_new_tokens must be >= 1")
+        checked_prompt(request, self.vocab_size, self.max_model_len)
         return request
 
     def _set_weight_version(self, version: int) -> None:
@@ -476,7 +464,11 @@ class VllmSampler:
             try:
                 self._abort(aborts)
                 for item in admitted:
-                    self._add(item)
+                    try:
+                        self._add(item)
+                    except Exception as error:  # noqa: BLE001 - a request vLLM rejects fails alone
+                        item.error = error
+                        item.done.set()
                 if publication is not None:
                     self._progress_publication(publication)
                 if self._running:
@@ -501,8 +493,7 @@ class VllmSampler:
     def _add(self, item: _Pending) -> None:
         request = item.request
         item.version = self._version
-        params = self._make_params(**vllm_sampling_kwargs(request.params))
-        self.engine.add_request(request.request_id, vllm_prompt(request, self._version), params)
+        self.engine.add_request(request.request_id, vllm_prompt(request, self._version), item.vllm_params)
         self._running[request.request_id] = item
 
     def _deliver(self, output: Any) -> None:

@@ -147,16 +147,18 @@ def test_publish_swaps_versions_between_requests(sampler, policy, prompt_rng):
 
 
 @pytest.mark.parametrize(
-    "prompt,message",
+    "prompt,params,message",
     [
-        ([], "empty prompt"),
-        ([3, 2048], "outside the vocabulary"),
-        ([1] * TEST_ENGINE_CONFIG.max_context, "context window"),
+        ([], {}, "empty prompt"),
+        ([3, 2048], {}, "outside the vocabulary"),
+        ([1] * TEST_ENGINE_CONFIG.max_context, {}, "context window"),
+        ([1, 2], {"top_p": 1.5}, "top_p"),
+        ([1, 2], {"temperature": float("nan")}, "temperature"),
     ],
 )
-def test_bad_input_is_rejected_and_service_goes_on(sampler, prompt, message):
+def test_bad_input_is_rejected_and_service_goes_on(sampler, prompt, params, message):
     with pytest.raises(ValueError, match=message):
-        sampler.generate([make_request(prompt)])
+        sampler.generate([make_request(prompt, **params), make_request([1, 2, 3])])
     with pytest.raises(ValueError, match="shape"):
         sampler.publish({"lm_head": np.zeros((2, 2), np.float32)}, sampler.policy_version + 1)
     assert (
