@@ -56,25 +56,45 @@ def processed_log_distribution(
     <= 0 (greedy) is treated as 1 here; the greedy point mass is handled by `sample`.
     """
     logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
     temperature = jnp.asarray(temperature, jnp.float32)
     temperature = jnp.where(temperature > 0, temperature, 1.0)[..., None]
     scaled = logits / temperature
+    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), scaled.shape[:-1])
+    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), scaled.shape[:-1])
+    # Sorting the vocabulary is the expensive part (on CPU it costs more than a tiny model's
+    # decode step): skip it when no row filters. Either branch only builds the mask; the
+    # distribution below is the same computation for every row, so a row's result does not
+    # depend on whether another row in the batch filters.
+    keep = jax.lax.cond(
+        jnp.any((top_k > 0) | (top_p < 1.0)),
+        _kept_tokens,
+        lambda scaled, top_k, top_p: jnp.ones(scaled.shape, bool),
+        scaled,
+        top_k,
+        top_p,
+    )
+    return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+
+
+def _kept_tokens(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """bool [..., V]: the tokens that survive top-k then top-p (see the module docstring)."""
+    vocab = scaled.shape[-1]
+    flat = scaled.reshape(-1, vocab)
     # Stable descending order: equal logits keep ascending token ids.
-    order = jnp.argsort(-scaled, axis=-1, stable=True)
-    sorted_scaled = jnp.take_along_axis(scaled, order, axis=-1)
+    order = jnp.argsort(-flat, axis=-1, stable=True)
+    sorted_scaled = jnp.take_along_axis(flat, order, axis=-1)
     rank = jnp.arange(vocab, dtype=jnp.int32)
-    top_k = jnp.asarray(top_k, jnp.int32)[..., None]
+    top_k = top_k.reshape(-1, 1)
     keep_sorted = (top_k <= 0) | (rank < top_k)
     sorted_probs = jax.nn.softmax(jnp.where(keep_sorted, sorted_scaled, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    top_p = jnp.asarray(top_p, jnp.float32)[..., None]
+    top_p = top_p.reshape(-1, 1)
     # top_p >= 1 disables the filter outright: a float32 cumsum can reach 1.0 before the tail.
     keep_sorted = keep_sorted & ((top_p >= 1.0) | (mass_before < top_p))
-    keep_sorted = keep_sorted.at[..., 0].set(True)
-    inverse = jnp.argsort(order, axis=-1)
-    keep = jnp.take_along_axis(keep_sorted, inverse, axis=-1)
-    return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    keep_sorted = keep_sorted.at[:, 0].set(True)
+    rows = jnp.arange(flat.shape[0])[:, None]
+    keep = jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
+    return keep.reshape(scaled.shape)
 
 
 def sample(
