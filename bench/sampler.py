@@ -1,6 +1,7 @@
 """Sampler benchmarks, each a ratio against a peer measured in the same run.
 
-1. Decode throughput at batch 8: the embedded JAX engine vs transformers `generate` (torch CPU)
+1. Decode throughput at batch 8: the embedded JAX engine vs transformers `generate` (torch CPU,
+   the better of its default thread count and one thread)
    on the same tiny Qwen3.5-MoE and the same weights (written with our `save_pretrained`, read
    with transformers' `from_pretrained`). Decode rate = (tokens(N) - tokens(1)) / (time(N) -
    time(1)), so prefill is excluded on both sides.
@@ -103,11 +104,15 @@ def torch_decode_rate(model, prompts) -> float:
             )
         assert out.shape == (BATCH, PROMPT_LEN + new_tokens)
 
-    run(4)
-    rate = BATCH * (NEW_TOKENS - 1) / (best_of(lambda: run(NEW_TOKENS)) - best_of(lambda: run(1)))
-    threads = torch.get_num_threads()
-    print(f"  transformers generate (torch CPU, {threads} threads): {rate:8.1f} decode tokens/s")
-    return rate
+    # torch's intra-op threads spin; on a busy machine one thread can beat several: take the best
+    rates = []
+    for threads in sorted({torch.get_num_threads(), 1}, reverse=True):
+        torch.set_num_threads(threads)
+        run(4)
+        rate = BATCH * (NEW_TOKENS - 1) / (best_of(lambda: run(NEW_TOKENS)) - best_of(lambda: run(1)))
+        print(f"  transformers generate (torch CPU, {threads} threads): {rate:8.1f} decode tokens/s")
+        rates.append(rate)
+    return max(rates)
 
 
 def prefix_cache_ratio(model, device) -> float:
@@ -166,8 +171,8 @@ def main() -> None:
     four_devices = jax_decode_rate(model, prompts, jax.devices()[4:], "4-device tensor mesh")
     print("prefix cache:")
     cache_ratio = prefix_cache_ratio(model, jax.devices()[-1:])
-    print(f"RATIO decode tokens/s, jax engine (1 device) / transformers: {one_device / torch_rate:.2f}x")
-    print(f"RATIO decode tokens/s, jax engine (4 devices) / transformers: {four_devices / torch_rate:.2f}x")
+    for label, rate in (("1 device", one_device), ("4 devices", four_devices)):
+        print(f"RATIO decode tokens/s, jax engine ({label}) / best transformers: {rate / torch_rate:.2f}x")
     print(f"RATIO second-turn prefill, re-prefill time / prefix-cache hit time: {cache_ratio:.2f}x")
 
 
