@@ -6,6 +6,7 @@ is importable and otherwise records with exactly vLLM's attribute names (`vllm_d
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from t1jax.rollout.vllm_sampler import (
     PROCESSED,
     RAW,
     InPlaceWeightWriter,
+    ReloadWeightWriter,
     hf_named_arrays,
     to_generate_result,
     vllm_prompt,
@@ -141,6 +143,8 @@ class _FakeRunnerEngine:
 
     def collective_rpc(self, method, *args, **kwargs):
         self.calls.append(method)
+        if method == "reload_weights":
+            assert (Path(kwargs["kwargs"]["weights_path"]) / "config.json").exists()
 
 
 def test_in_place_writer_replaces_every_runner_array_in_order():
@@ -158,3 +162,13 @@ def test_in_place_writer_replaces_every_runner_array_in_order():
     bad = nnx.State({"lm_head.weight": nnx.Param(jnp.zeros((3, 3)))})
     with pytest.raises(ValueError, match="do not match the vLLM model runner"):
         InPlaceWeightWriter(config)(_FakeRunnerEngine(bad), nnx.state(other, nnx.Param), version=2)
+
+
+def test_reload_writer_saves_a_checkpoint_and_asks_workers_to_reload(tmp_path):
+    template, other = make_policy(3), make_policy(4)
+    engine = _FakeRunnerEngine(nnx.State({}))
+    ReloadWeightWriter(template, directory=str(tmp_path))(engine, nnx.state(other, nnx.Param), version=5)
+    assert engine.calls == ["reload_weights"]
+    written = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    for name, value in hf_named_arrays(other, other.config).items():
+        np.testing.assert_array_equal(written[name], np.asarray(value))
