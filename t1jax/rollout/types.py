@@ -10,7 +10,9 @@ Every sampler (the embedded JAX engine, the vLLM-TPU adapter) implements `Sample
 - `routing` has one row per position whose token was fed through the model:
   shape `int32[len(prompt_ids) + len(completion_ids) - 1, num_layers, top_k]`; row j holds, for
   every MoE layer, the experts chosen for input position j. The last sampled token is never fed,
-  so it has no row. A sampler for a dense model returns `routing=None`.
+  so it has no row. A sampler for a dense model returns `routing=None`; so may an aborted request
+  (the JAX engine: when it produced no token; vLLM: always, it reports routing only for finished
+  requests). Every STOP / LENGTH result of an MoE sampler carries routing.
 - A request is served entirely by one policy version (`policy_version`): `publish` waits for a
   barrier between requests and never swaps weights under a running request.
 """
@@ -60,6 +62,9 @@ class GenerateResult:
     routing: np.ndarray | None  # int32[P + G - 1, L, k]
     finish_reason: FinishReason
     policy_version: int
+    # Prompt tokens served from a prefix cache instead of being prefilled (observability only:
+    # a hit returns exactly what a full prefill would have produced).
+    cached_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         num_generated = len(self.completion_ids)

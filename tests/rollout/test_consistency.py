@@ -1,0 +1,106 @@
+"""Sampler vs trainer on the same weights (paper §4.2-4.3, Eq. 5 and 13): the ground truth that
+TITO and routing replay rely on.
+
+For every result, the trainer's teacher-forced forward over prompt + completion[:-1] (on its own
+mesh: the first 4 fake devices, sharded differently from the sampler's) must
+- choose, with free routing, exactly the experts the sampler recorded (every row, layer, slot);
+- with the recorded routing replayed, give the sampler's raw logprobs and processed logprobs
+  (the same temperature / top-k / top-p applied to the trainer's logits) within float32 rounding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from rollout_helpers import in_threads, random_prompt, request
+
+from t1jax.parallel.rules import DEFAULT_RULES, make_mesh, state_shardings
+from t1jax.rollout.sampling import processed_log_distribution
+
+PADDED_LEN = 112
+# float32 on both sides; the residual is reduction order (sharded vs unsharded matmuls, chunked
+# prefill vs one-token decode steps). Measured max is printed by the test.
+LOGPROB_TOLERANCE = 1e-4
+
+
+def trainer_forward(policy, results):
+    """Teacher-forced forward of every result on a trainer mesh, free and replayed, in one padded
+    batch: returns (free routing, free logits, replayed logits), each [R, PADDED_LEN, ...]."""
+    mesh = make_mesh(fsdp=2, tensor=2, devices=jax.devices()[:4])
+    graphdef, state = nnx.split(policy)
+    state = jax.device_put(state, state_shardings(state, mesh))
+    rows = len(results)
+    config = policy.config
+    ids = np.zeros((rows, PADDED_LEN), np.int32)
+    segments = np.zeros((rows, PADDED_LEN), np.int32)
+    replay = np.broadcast_to(
+        np.arange(config.num_experts_per_tok, dtype=np.int32),
+        (rows, PADDED_LEN, config.num_hidden_layers, config.num_experts_per_tok),
+    ).copy()
+    for row, result in enumerate(results):
+        tokens = np.concatenate([result.prompt_ids, result.completion_ids[:-1]])
+        assert len(tokens) <= PADDED_LEN
+        ids[row, : len(tokens)] = tokens
+        segments[row, : len(tokens)] = 1
+        replay[row, : len(tokens)] = result.routing
+
+    @jax.jit
+    def forward(state, ids, segments, replay):
+        model = nnx.merge(graphdef, state)
+        free = model(ids, segment_ids=segments)
+        replayed = model(ids, segment_ids=segments, routing_replay=replay)
+        return free.routing, free.logits, replayed.logits
+
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(DEFAULT_RULES):
+        out = forward(state, ids, segments, replay)
+    return [np.asarray(x) for x in out]
+
+
+def test_sampler_logprobs_and_routing_match_the_trainer(engine, policy, prompt_rng):
+    settings = [
+        (5, 30, dict(temperature=1.0)),
+        (37, 25, dict(temperature=0.8, top_k=40)),
+        (70, 30, dict(temperature=1.1, top_p=0.85)),
+        (21, 20, dict(temperature=0.0)),
+        (50, 25, dict(temperature=0.6, top_k=10, top_p=0.9)),
+    ]
+    requests = [
+        request(random_prompt(prompt_rng, p), max_new_tokens=g, seed=i, **params)
+        for i, (p, g, params) in enumerate(settings)
+    ]
+    engine.clear_prefix_cache()
+    results = in_threads(engine, requests)  # batched together
+    # a prefix-cache hit: the third prompt extended by its completion and new tokens
+    turn2 = np.concatenate([results[2].prompt_ids, results[2].completion_ids, random_prompt(prompt_rng, 4)])
+    requests.append(request(turn2, max_new_tokens=6, seed=9, temperature=1.0))
+    results.append(engine.generate([requests[-1]])[0])
+    assert results[-1].cached_prompt_tokens > 0
+
+    free_routing, free_logits, replay_logits = trainer_forward(policy, results)
+    worst_raw = worst_processed = 0.0
+    for row, result in enumerate(results):
+        prompt_len, generated = len(result.prompt_ids), len(result.completion_ids)
+        fed = prompt_len + generated - 1
+        mismatched = np.argwhere(free_routing[row, :fed] != result.routing)
+        assert mismatched.size == 0, (
+            f"request {row}: routing differs at (position, layer, slot) {mismatched[:5]}"
+        )
+
+        positions = np.arange(prompt_len - 1, fed)
+        logits = replay_logits[row, positions]
+        raw = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)
+        raw = np.asarray(raw)[np.arange(generated), result.completion_ids]
+        params = requests[row].params
+        processed = np.asarray(
+            processed_log_distribution(jnp.asarray(logits), params.temperature, params.top_k, params.top_p)
+        )[np.arange(generated), result.completion_ids]
+        if params.temperature == 0:
+            processed = np.zeros_like(processed)  # the greedy point mass
+        worst_raw = max(worst_raw, float(np.abs(raw - result.raw_logprobs).max()))
+        worst_processed = max(worst_processed, float(np.abs(processed - result.logprobs).max()))
+        # free and replayed forwards agree too, since the routing is identical
+        np.testing.assert_array_equal(free_logits[row, positions], logits)
+    print(f"\nmax |sampler - trainer| logprob: raw {worst_raw:.3g}, processed {worst_processed:.3g}")
+    assert worst_raw < LOGPROB_TOLERANCE and worst_processed < LOGPROB_TOLERANCE

@@ -1,0 +1,300 @@
+"""The embedded JAX engine: prefix-cache exactness, batching invariance, determinism, finish
+reasons, abort, the publication barrier, sub-mesh placement, bad input, no recompilation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from rollout_helpers import (
+    TEST_ENGINE_CONFIG,
+    in_threads,
+    make_policy,
+    random_prompt,
+    request,
+    same,
+    scheduler_paused,
+    wait_for_tokens,
+)
+
+from t1jax.parallel.rules import make_mesh, state_shardings
+from t1jax.rollout.engine import EngineClosed, JaxEngine
+from t1jax.rollout.types import FinishReason, GenerateRequest
+
+BLOCK = TEST_ENGINE_CONFIG.block_size
+
+
+def test_prefix_cache_hit_is_bit_identical_to_a_miss(engine, prompt_rng):
+    turn1 = random_prompt(prompt_rng, 4 * BLOCK + 6)
+    params = dict(max_new_tokens=10, temperature=0.9, top_p=0.9, seed=21)
+    engine.clear_prefix_cache()
+    miss = engine.generate([request(turn1, **params)])[0]
+    hit = engine.generate([request(turn1, **params)])[0]
+    assert miss.cached_prompt_tokens == 0 and hit.cached_prompt_tokens == 4 * BLOCK
+    assert same(hit, miss)
+
+    # the agent's next turn resumes the shared prefix: prompt + completion + observation
+    turn2 = np.concatenate([turn1, miss.completion_ids, random_prompt(prompt_rng, 23)])
+    hit2 = engine.generate([request(turn2, **params)])[0]
+    assert hit2.cached_prompt_tokens == 4 * BLOCK
+    engine.clear_prefix_cache()
+    miss2 = engine.generate([request(turn2, **params)])[0]
+    assert miss2.cached_prompt_tokens == 0 and same(hit2, miss2)
+    # a prompt that is exactly the cached blocks still prefills its last token
+    exact = engine.generate([request(turn2[: 5 * BLOCK], **params)])[0]
+    assert exact.cached_prompt_tokens == 4 * BLOCK
+    assert exact.routing.shape[0] == 5 * BLOCK + len(exact.completion_ids) - 1
+
+
+def test_batching_does_not_change_any_request(engine, prompt_rng):
+    requests = [
+        request(random_prompt(prompt_rng, n), max_new_tokens=g, temperature=t, top_k=k, top_p=p, seed=s)
+        for n, g, t, k, p, s in [
+            (3 * BLOCK + 1, 12, 1.0, 0, 1.0, 1),
+            (5, 9, 0.7, 20, 1.0, 2),
+            (BLOCK, 14, 0.0, 0, 1.0, 3),
+            (2 * BLOCK + 9, 11, 1.2, 0, 0.8, 4),
+        ]
+    ]
+    engine.clear_prefix_cache()
+    alone = [engine.generate([r])[0] for r in requests]
+    engine.clear_prefix_cache()
+    before = engine.step_counts["decode"]
+    together = in_threads(
+        engine, [GenerateRequest(r.request_id + "b", r.prompt_ids, r.params) for r in requests]
+    )
+    for a, b in zip(alone, together, strict=True):
+        assert same(a, b), (a.request_id, a.completion_ids, b.completion_ids)
+    decoded_tokens = sum(len(r.completion_ids) - 1 for r in together)
+    assert engine.step_counts["decode"] - before < decoded_tokens  # they shared decode steps
+
+
+def test_results_are_deterministic_given_seeds(engine, prompt_rng):
+    prompt = random_prompt(prompt_rng, 20)
+    first = engine.generate([request(prompt, max_new_tokens=16, seed=7)])[0]
+    again = engine.generate([request(prompt, max_new_tokens=16, seed=7)])[0]
+    other = engine.generate([request(prompt, max_new_tokens=16, seed=8)])[0]
+    assert same(first, again)
+    assert not np.array_equal(first.completion_ids, other.completion_ids)
+    assert first.logprobs.dtype == np.float32 and first.routing.dtype == np.int32
+
+
+def test_stop_tokens_length_and_the_context_window(engine, prompt_rng):
+    prompt = random_prompt(prompt_rng, 9)
+    free = engine.generate([request(prompt, max_new_tokens=6, temperature=0.0)])[0]
+    assert free.finish_reason == FinishReason.LENGTH and len(free.completion_ids) == 6
+    assert np.all(free.logprobs == 0.0) and np.all(free.raw_logprobs < 0)
+    stop = int(free.completion_ids[3])
+    first_stop = int(np.flatnonzero(free.completion_ids == stop)[0])
+    stopped = engine.generate([request(prompt, max_new_tokens=6, temperature=0.0, stop_token_ids=(stop,))])[0]
+    assert stopped.finish_reason == FinishReason.STOP
+    np.testing.assert_array_equal(stopped.completion_ids, free.completion_ids[: first_stop + 1])
+    assert stopped.routing.shape == (9 + first_stop + 1 - 1, 4, 2)
+
+    window = TEST_ENGINE_CONFIG.max_context
+    long_prompt = random_prompt(prompt_rng, window - 5)
+    full = engine.generate([request(long_prompt, max_new_tokens=50)])[0]
+    assert full.finish_reason == FinishReason.LENGTH and len(full.completion_ids) == 5
+    assert full.routing.shape[0] == window - 1
+
+
+def test_step_functions_compile_once_whatever_the_lengths(engine, prompt_rng):
+    for length in (1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 3):
+        engine.generate([request(random_prompt(prompt_rng, length), max_new_tokens=3)])
+    engine.generate([request(random_prompt(prompt_rng, 2 * BLOCK + 3), max_new_tokens=3)])  # a hit
+    assert set(engine.compile_counts) == {"prefill", "decode", "snapshot", "restore_block", "reset_row"}
+    assert all(count == 1 for count in engine.compile_counts.values()), dict(engine.compile_counts)
+
+
+def test_abort_returns_what_was_produced(engine, prompt_rng):
+    prompt = random_prompt(prompt_rng, 12)
+    params = dict(max_new_tokens=TEST_ENGINE_CONFIG.max_context - 20, seed=5)
+    reference = engine.generate([request(prompt, max_new_tokens=40, seed=5)])[0]
+    victim = request(prompt, **params)
+    bystander = request(random_prompt(prompt_rng, 30), max_new_tokens=20, seed=6)
+    results = {}
+    threads = [
+        threading.Thread(target=lambda r=r: results.__setitem__(r.request_id, engine.generate([r])[0]))
+        for r in (victim, bystander)
+    ]
+    for thread in threads:
+        thread.start()
+    wait_for_tokens(engine, victim.request_id, 3)
+    engine.abort([victim.request_id, "no-such-request"])
+    for thread in threads:
+        thread.join()
+    aborted = results[victim.request_id]
+    produced = len(aborted.completion_ids)
+    assert aborted.finish_reason == FinishReason.ABORT and 3 <= produced < params["max_new_tokens"]
+    assert aborted.routing.shape[0] == len(prompt) + produced - 1
+    shared = min(produced, len(reference.completion_ids))  # same seed: the reference's prefix
+    assert np.array_equal(aborted.completion_ids[:shared], reference.completion_ids[:shared])
+    assert np.array_equal(aborted.logprobs[:shared], reference.logprobs[:shared])
+    rows = len(prompt) + shared - 1
+    assert np.array_equal(aborted.routing[:rows], reference.routing[:rows])
+    assert results[bystander.request_id].finish_reason == FinishReason.LENGTH
+
+
+def test_abort_of_a_queued_request_returns_it_empty(engine, prompt_rng):
+    long = [request(random_prompt(prompt_rng, 8), max_new_tokens=150, seed=i) for i in range(4)]
+    queued = request(random_prompt(prompt_rng, 8), max_new_tokens=5)
+    results = {}
+    threads = [
+        threading.Thread(target=lambda r=r: results.__setitem__(r.request_id, engine.generate([r])[0]))
+        for r in long + [queued]
+    ]
+    for thread in threads[:4]:
+        thread.start()
+    for r in long:
+        wait_for_tokens(engine, r.request_id, 1)
+    with scheduler_paused(engine):  # every slot stays busy: the fifth request must queue
+        threads[4].start()
+        while engine.progress(queued.request_id) is None:
+            time.sleep(0.001)
+        engine.abort([queued.request_id] + [r.request_id for r in long])
+    for thread in threads:
+        thread.join()
+    empty = results[queued.request_id]
+    assert empty.finish_reason == FinishReason.ABORT
+    assert len(empty.completion_ids) == 0 and empty.routing is None
+    assert all(results[r.request_id].finish_reason == FinishReason.ABORT for r in long)
+
+
+def test_publish_is_a_barrier_and_swaps_the_policy(engine, policy, prompt_rng):
+    prompt = random_prompt(prompt_rng, 2 * BLOCK + 5)
+    params = dict(max_new_tokens=10, seed=3)
+    old_version = engine.policy_version
+    before = engine.generate([request(prompt, **params)])[0]
+    other = make_policy(seed=99)
+
+    # trainer-side params live on the other half of the devices, sharded differently
+    trainer_mesh = make_mesh(fsdp=4, devices=jax.devices()[:4])
+    trainer_state = nnx.state(other, nnx.Param)
+    trainer_state = jax.device_put(trainer_state, state_shardings(trainer_state, trainer_mesh))
+
+    long = request(prompt, max_new_tokens=120, seed=4)
+    results = {}
+    runner = threading.Thread(target=lambda: results.__setitem__("long", engine.generate([long])[0]))
+    runner.start()
+    wait_for_tokens(engine, long.request_id, 2)
+    publisher = publish_while_busy(engine, trainer_state, old_version + 1, long.request_id)
+    publisher.join()  # publish returned only after the barrier ...
+    assert engine.progress(long.request_id) is None  # ... that let the long request finish first
+    runner.join()
+    assert results["long"].policy_version == old_version  # finished under the old weights
+    assert results["long"].finish_reason == FinishReason.LENGTH
+    assert engine.policy_version == old_version + 1 and len(engine.prefix_cache) == 0
+    leaves = jax.tree.leaves(engine._state)
+    assert all(leaf.sharding.device_set <= set(jax.devices()[4:]) for leaf in leaves)
+
+    after = engine.generate([request(prompt, **params)])[0]
+    assert after.policy_version == old_version + 1 and not same(after, before)
+
+    # abort mode: in-flight work ends with ABORT, then the original policy is back
+    victim = request(prompt, max_new_tokens=150, seed=4)
+    runner = threading.Thread(target=lambda: results.__setitem__("victim", engine.generate([victim])[0]))
+    runner.start()
+    wait_for_tokens(engine, victim.request_id, 2)
+    original = nnx.to_pure_dict(nnx.state(policy, nnx.Param))
+    publish_while_busy(engine, original, old_version + 2, victim.request_id, abort_in_flight=True).join()
+    runner.join()
+    assert results["victim"].finish_reason == FinishReason.ABORT
+    assert results["victim"].policy_version == old_version + 1
+    restored = engine.generate([request(prompt, **params)])[0]
+    assert restored.policy_version == old_version + 2 and same(restored, before)
+
+
+def publish_while_busy(engine, params, version, busy_request_id, **options) -> threading.Thread:
+    """Start `publish` in a thread so that its barrier certainly meets `busy_request_id` in
+    flight: the scheduler is held between two steps until the publication is registered.
+    Returns the publishing thread."""
+    publisher = threading.Thread(target=engine.publish, args=(params, version), kwargs=options)
+    with scheduler_paused(engine):
+        publisher.start()
+        deadline = time.monotonic() + 120
+        while engine._publication is None:
+            assert time.monotonic() < deadline and publisher.is_alive(), "publish never reached the barrier"
+            time.sleep(0.002)
+        assert engine.progress(busy_request_id) is not None
+    return publisher
+
+
+def test_engine_params_live_on_its_own_devices(engine):
+    sampler_devices = set(jax.devices()[4:])
+    assert set(engine.mesh.devices.flat) == sampler_devices
+    for leaf in jax.tree.leaves(engine._state) + jax.tree.leaves(engine._cache):
+        assert leaf.sharding.device_set <= sampler_devices
+
+
+@pytest.mark.parametrize(
+    "prompt,params,message",
+    [
+        ([], {}, "empty prompt"),
+        ([1, 2, 2048], {}, "token id 2048 at position 2 is outside the vocabulary"),
+        ([-1], {}, "token id -1"),
+        (list(range(TEST_ENGINE_CONFIG.max_context)), {}, "does not fit the context window"),
+        ([1, 2], {"max_new_tokens": 0}, "max_new_tokens"),
+        ([1, 2], {"temperature": -0.5}, "temperature"),
+        ([1, 2], {"top_p": 0.0}, "top_p"),
+        ([1, 2], {"top_k": -3}, "top_k"),
+        ([1, 2], {"stop_token_ids": (5000,)}, "stop token id 5000"),
+        ([1, 2], {"seed": -4}, "seed"),
+    ],
+)
+def test_bad_requests_are_rejected_and_service_goes_on(engine, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate([request(np.asarray(prompt, np.int32), **params), request([1, 2, 3])])
+    assert engine.generate([request([1, 2, 3], max_new_tokens=2)])[0].finish_reason == FinishReason.LENGTH
+
+
+def test_duplicate_request_ids_are_rejected(engine):
+    twin = request([4, 5, 6])
+    with pytest.raises(ValueError, match="repeated"):
+        engine.generate([twin, twin])
+
+
+def test_publish_rejects_a_wrong_tree_and_keeps_serving(engine, policy, prompt_rng):
+    prompt = random_prompt(prompt_rng, 20)
+    version = engine.policy_version
+    before = engine.generate([request(prompt, seed=1)])[0]
+    pure = nnx.to_pure_dict(nnx.state(policy, nnx.Param))
+
+    missing = jax.tree.map(lambda x: x, pure)
+    del missing["lm_head"]
+    with pytest.raises(ValueError, match="missing parameters: lm_head"):
+        engine.publish(missing, version + 1)
+
+    extra = jax.tree.map(lambda x: x, pure)
+    extra["model"]["bogus"] = np.zeros(3)
+    with pytest.raises(ValueError, match="unexpected parameters: model.bogus"):
+        engine.publish(extra, version + 1)
+
+    reshaped = jax.tree.map(lambda x: x, pure)
+    reshaped["lm_head"] = np.zeros((64, 2047), np.float32)
+    with pytest.raises(ValueError, match=r"lm_head has shape \(64, 2047\), expected \(64, 2048\)"):
+        engine.publish(reshaped, version + 1)
+
+    retyped = jax.tree.map(lambda x: x, pure)
+    retyped["lm_head"] = np.zeros((64, 2048), np.int32)
+    with pytest.raises(ValueError, match="lm_head has dtype int32"):
+        engine.publish(retyped, version + 1)
+
+    with pytest.raises(TypeError, match="nested mapping"):
+        engine.publish([1, 2, 3], version + 1)
+
+    assert engine.policy_version == version
+    assert same(engine.generate([request(prompt, seed=1)])[0], before)
+
+
+def test_a_closed_engine_refuses_work(policy):
+    with JaxEngine(policy, jax.devices()[-1:], TEST_ENGINE_CONFIG) as short_lived:
+        assert short_lived._thread.is_alive()
+    assert not short_lived._thread.is_alive()
+    with pytest.raises(EngineClosed):
+        short_lived.generate([request([1, 2, 3])])
+    with pytest.raises(EngineClosed):
+        short_lived.publish(nnx.state(policy, nnx.Param), 1)
