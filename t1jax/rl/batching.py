@@ -13,8 +13,9 @@ Shapes. Rows of one micro-batch share a length taken from `row_length_buckets` (
 that fits), so the number of compiled programs is bounded by the number of buckets. With
 `pack=True` several samples share a row (first-fit decreasing); each keeps its own
 `segment_ids` value (1, 2, ...; 0 marks padding) and `positions` restart at 0 per sample.
-Padding rows and positions carry mask 0, reward 0, segment 0 and routing 0 (a valid expert id,
-never used by a loss).
+Padding rows and positions carry mask 0, reward 0, segment 0 and routing [0, 1, ..., k-1] in
+every layer (valid, distinct expert ids, as the model's replay check requires; never used by a
+loss).
 
 Invariants checked here (a clear error otherwise): every sample fits the largest bucket; either
 every sample has routing of one common [L, k] shape or none has; rows per micro-batch is a
@@ -175,7 +176,11 @@ def _fill(
     rewards = np.zeros((num_rows, length), np.float32)
     segment_ids = np.zeros((num_rows, length), np.int32)
     positions = np.zeros((num_rows, length), np.int32)
-    routing = None if routing_shape is None else np.zeros((num_rows, length, *routing_shape), np.int32)
+    routing = None
+    if routing_shape is not None:
+        # Padding rows route to experts 0..k-1: distinct ids, as a replay record must be.
+        routing = np.broadcast_to(np.arange(routing_shape[1], dtype=np.int32), (num_rows, length, *routing_shape))
+        routing = routing.copy()
     for r, row in enumerate(rows):
         offset = 0
         for segment, i in enumerate(row, start=1):

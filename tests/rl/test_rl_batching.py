@@ -35,6 +35,7 @@ def test_row_alignment_of_one_sample():
     np.testing.assert_array_equal(mb.rewards[0], [0, 0, 0, 0, 0, 0, 0.5, 0])  # last action row
     np.testing.assert_array_equal(mb.routing[0, :7, 1, 2], sample.tokens[:-1])  # routing[i] with input i
     np.testing.assert_array_equal(mb.segment_ids[0], [1] * 7 + [0])
+    np.testing.assert_array_equal(mb.routing[0, 7], [[0, 1, 2]] * LAYERS)  # distinct ids on padding
     np.testing.assert_array_equal(mb.positions[0, :7], np.arange(7))
 
 
