@@ -1,0 +1,176 @@
+"""Gated full attention of Qwen3.5 (the layers whose `layer_types` entry is "full_attention").
+
+Owns: partial rotary embeddings, the packed-sequence attention mask, the attention core (a pure
+function a context-parallel variant can replace), and the `GatedAttention` module with its full
+forward and its cached form.
+
+Math (transformers' `Qwen3_5MoeAttention`): `q_proj` emits, per head, [query | gate] (2*head_dim);
+per-head zero-centred RMSNorm on q and k; rotate-half RoPE on the first `rotary_dim` dims only;
+GQA (query head h reads kv head h // (heads / kv_heads)); softmax(q k^T * head_dim^-0.5) in
+float32; output `attn * sigmoid(gate)` then `o_proj`.
+
+Parameter layout ([in, out] kernels, heads kept as their own axis):
+  q_proj [hidden, heads, 2*head_dim]  (embed, q_heads, head_dim)
+  k_proj, v_proj [hidden, kv_heads, head_dim]  (embed, kv_heads, head_dim)
+  o_proj [heads, head_dim, hidden]  (q_heads, head_dim, embed)
+  q_norm, k_norm [head_dim]
+
+Invariants: a query attends only to keys of its own document (same non-zero segment id) at or
+before its own index; a query on padding (segment 0) sees nothing and yields finite garbage that
+no valid position ever reads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from t1jax.model.config import Qwen35MoeConfig
+from t1jax.model.norms import RMSNorm
+from t1jax.model.params import make_param, normal
+from t1jax.parallel.rules import (
+    ACT_BATCH,
+    ACT_HEADS,
+    ACT_LENGTH,
+    EMBED,
+    HEAD_DIM,
+    KV_HEADS,
+    Q_HEADS,
+    constrain,
+)
+
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def rotary_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape positions.shape + (rotary_dim,), float32, in rotate-half layout."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_partial_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the first cos.shape[-1] dims of x [B, T, heads, D]; cos/sin are [B, T, rot]."""
+    rotary_dim = cos.shape[-1]
+    rotated, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    first, second = jnp.split(rotated, 2, axis=-1)
+    rotate_half = jnp.concatenate([-second, first], axis=-1)
+    return jnp.concatenate([rotated * cos + rotate_half * sin, passthrough], axis=-1)
+
+
+def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """bool [B, T, T]: query i may read key j iff j <= i and both lie in the same document
+    (equal, non-zero segment ids)."""
+    seq_len = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    real_key = (segment_ids != 0)[:, None, :]
+    return causal[None] & same_doc & real_key
+
+
+def attend(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query softmax attention.
+
+    query [B, T, heads, D], key/value [B, S, kv_heads, D], mask bool [B, T, S] -> [B, T, heads, D].
+    Scores and softmax in float32; query head h reads kv head h // (heads // kv_heads).
+    """
+    batch, q_len, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[2]
+    groups = num_heads // num_kv_heads
+    grouped = query.reshape(batch, q_len, num_kv_heads, groups, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, key, preferred_element_type=jnp.float32) * (
+        head_dim**-0.5
+    )
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, value)
+    return out.reshape(batch, q_len, num_heads, head_dim)
+
+
+class GatedAttention(nnx.Module):
+    def __init__(self, config: Qwen35MoeConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        hidden, heads, kv_heads, head_dim = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        init = normal(config.initializer_range)
+        self.q_proj = make_param(
+            rngs, init, (hidden, heads, 2 * head_dim), param_dtype, (EMBED, Q_HEADS, HEAD_DIM)
+        )
+        self.k_proj = make_param(
+            rngs, init, (hidden, kv_heads, head_dim), param_dtype, (EMBED, KV_HEADS, HEAD_DIM)
+        )
+        self.v_proj = make_param(
+            rngs, init, (hidden, kv_heads, head_dim), param_dtype, (EMBED, KV_HEADS, HEAD_DIM)
+        )
+        self.o_proj = make_param(
+            rngs, init, (heads, head_dim, hidden), param_dtype, (Q_HEADS, HEAD_DIM, EMBED)
+        )
+        self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
+        self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
+
+    def _project(self, x: jax.Array, positions: jax.Array):
+        """x [B, T, hidden] -> rotated query, output gate, rotated key, value (per head)."""
+        dtype = self.dtype
+        x = x.astype(dtype)
+        head_dim = self.config.head_dim
+        query_and_gate = jnp.einsum("bth,hnd->btnd", x, self.q_proj[...].astype(dtype))
+        query, gate = query_and_gate[..., :head_dim], query_and_gate[..., head_dim:]
+        key = jnp.einsum("bth,hnd->btnd", x, self.k_proj[...].astype(dtype))
+        value = jnp.einsum("bth,hnd->btnd", x, self.v_proj[...].astype(dtype))
+        query = self.q_norm(query)
+        key = self.k_norm(key)
+        cos, sin = rotary_tables(positions, self.config.rotary_dim, self.config.rope_parameters.rope_theta)
+        query = constrain(apply_partial_rotary(query, cos, sin), (ACT_BATCH, ACT_LENGTH, ACT_HEADS, None))
+        key = apply_partial_rotary(key, cos, sin)
+        return query, gate, key, value
+
+    def _output(self, attn: jax.Array, gate: jax.Array) -> jax.Array:
+        dtype = self.dtype
+        gated = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype)
+        return jnp.einsum("btnd,ndh->bth", gated, self.o_proj[...].astype(dtype))
+
+    def __call__(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """Full forward over packed rows. x [B, T, hidden]; positions, segment_ids int32 [B, T]."""
+        query, gate, key, value = self._project(x, positions)
+        attn = attend(query, key, value, packed_causal_mask(segment_ids))
+        return self._output(attn, gate)
+
+    def extend(
+        self,
+        x: jax.Array,
+        key_cache: jax.Array,
+        value_cache: jax.Array,
+        *,
+        cache_lengths: jax.Array,
+        valid_lengths: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Append T new tokens per row (the first valid_lengths[b] of them real) to a KV cache and
+        attend over everything cached. One sequence per row; its positions continue the cache.
+
+        key_cache/value_cache [B, S, kv_heads, head_dim]; cache_lengths, valid_lengths int32 [B].
+        Returns (output [B, T, hidden], new key_cache, new value_cache). Slots past a row's new
+        length are never read, so what the padded tokens would write is dropped instead.
+        """
+        batch, new_len = x.shape[:2]
+        max_len = key_cache.shape[1]
+        offsets = jnp.arange(new_len, dtype=jnp.int32)
+        positions = cache_lengths[:, None] + offsets[None, :]
+        query, gate, key, value = self._project(x, positions)
+        is_real = offsets[None, :] < valid_lengths[:, None]
+        write_at = jnp.where(is_real, positions, max_len)  # out of bounds -> dropped
+        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], write_at.shape)
+        key_cache = key_cache.at[rows, write_at].set(key.astype(key_cache.dtype), mode="drop")
+        value_cache = value_cache.at[rows, write_at].set(value.astype(value_cache.dtype), mode="drop")
+        slots = jnp.arange(max_len, dtype=jnp.int32)
+        mask = slots[None, None, :] <= positions[:, :, None]
+        attn = attend(query, key_cache.astype(self.dtype), value_cache.astype(self.dtype), mask)
+        return self._output(attn, gate), key_cache, value_cache
