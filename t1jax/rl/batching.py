@@ -179,7 +179,9 @@ def _fill(
     routing = None
     if routing_shape is not None:
         # Padding rows route to experts 0..k-1: distinct ids, as a replay record must be.
-        routing = np.broadcast_to(np.arange(routing_shape[1], dtype=np.int32), (num_rows, length, *routing_shape))
+        routing = np.broadcast_to(
+            np.arange(routing_shape[1], dtype=np.int32), (num_rows, length, *routing_shape)
+        )
         routing = routing.copy()
     for r, row in enumerate(rows):
         offset = 0
