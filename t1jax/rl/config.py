@@ -45,6 +45,13 @@ class PPOConfig:
     optimizer steps (the default 1 x 1 is one optimizer step per role per RL step).
     `routing_replay` replays the sample's routing in the actor's passes (Eq. 26, 27); turn it off
     only for dense models or ablations.
+
+    `behaviour_policy` picks the weights of the ratio's denominator (Eq. 26, App. 12.2):
+    `sample_version` (default) recomputes it with the actor version that generated the batch
+    (the samples' `policy_version`; under one-step asynchrony that is the version before the
+    learner's current one, kept by `Learner.publish_actor`); `current` always uses the learner's
+    current weights (right for a synchronous loop, wrong under staleness). `retained_versions`
+    bounds how many published versions the learner keeps for that.
     """
 
     clip_eps: float = 0.2
@@ -53,8 +60,16 @@ class PPOConfig:
     critic_epochs: int = 1
     minibatches: int = 1
     routing_replay: bool = True
+    behaviour_policy: str = "sample_version"
+    retained_versions: int = 2
 
     def __post_init__(self) -> None:
+        if self.behaviour_policy not in ("sample_version", "current"):
+            raise ValueError(
+                f"ppo.behaviour_policy must be 'sample_version' or 'current', got {self.behaviour_policy!r}"
+            )
+        if self.retained_versions < 1:
+            raise ValueError(f"ppo.retained_versions must be >= 1, got {self.retained_versions}")
         if self.clip_eps <= 0 or self.value_clip_eps <= 0:
             raise ValueError(
                 f"ppo clip thresholds must be positive, got {self.clip_eps}, {self.value_clip_eps}"

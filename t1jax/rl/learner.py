@@ -10,11 +10,18 @@ step (`Learner.step`), in this order:
 3. advantages and returns by GAE from V_old and the rewards (Eq. 16); explained variance of V_old
    (Eq. 19) over the whole batch;
 4. critic update(s) with the clipped value loss anchored at V_old (Eq. 17);
-5. old log-probs recomputed by the trainer's actor with routing replayed from the samples'
-   records, no gradient (Eq. 26's denominator); |Δlogp| against the sampler's log-probs (Eq. 15)
-   is measured here, before any actor update, and is the only use of the sampler's numbers;
-6. actor update(s) with the clipped surrogate (Eq. 18); new log-probs use the same replayed
-   routing, with gradient (Eq. 26's numerator; Eq. 27: selection frozen, gates live).
+5. old log-probs recomputed by the trainer with the weights of the actor version that generated
+   the batch (kept by `publish_actor`) and routing replayed from the samples' records, no
+   gradient (Eq. 26's denominator). The sampler's log-probs serve diagnostics only;
+6. actor update(s) with the clipped surrogate (Eq. 18); new log-probs use the current weights and
+   the same replayed routing, with gradient (Eq. 26's numerator; Eq. 27: selection frozen,
+   gates live).
+
+Train-inference diagnostics (Eq. 15, Eq. 24), over the loss rows of the whole batch, before any
+actor update: `actor/logprob_gap` = mean |trainer - sampler| at the generating version (term (b),
+what TITO and R3 remove); `actor/start_logprob_gap_current` = the same with the current weights
+(Eq. 15 as the paper plots it: (a) + (b)); `actor/start_version_skew` = mean |current - generating|
+(term (a), the one update PPO's clip bounds; 0 in a synchronous loop).
 
 Invariants:
 - Every loss is a token sum divided by the loss-token count of the whole batch (of the optimizer
@@ -95,14 +102,17 @@ class LearnerState:
     actor_opt_state: Any  # optax state
     critic_opt_state: Any
     step: jax.Array  # int32 scalar: completed learner steps (RL or SFT)
+    actor_version: jax.Array  # int32 scalar: policy version of actor_params (+1 per actor update step)
 
 
 @dataclass(frozen=True)
 class PreparedBatch:
-    """Device micro-batches of one step and their host-side loss-token counts."""
+    """Device micro-batches of one step, their host-side loss-token counts, and the policy
+    version that generated every sample in them (None: treat as the learner's current version)."""
 
     micro_batches: list[TrainBatch]
     loss_tokens: list[int]
+    policy_version: int | None = None
 
     @property
     def num_loss_tokens(self) -> int:
@@ -164,7 +174,7 @@ class _Programs:
         def actor_grad(params, rest, batch, old_logprobs, advantages_, num_loss_tokens, replay):
             def objective(p):
                 new_logprobs = policy_logprobs(actor_model(p, rest), batch, replay_routing=replay)
-                return policy_loss(
+                loss, aux = policy_loss(
                     new_logprobs,
                     old_logprobs,
                     advantages_,
@@ -172,6 +182,16 @@ class _Programs:
                     num_loss_tokens,
                     clip_eps=clip_eps,
                 )
+                new_logprobs = jax.lax.stop_gradient(new_logprobs)
+                mask, count = batch.action_mask > 0, jnp.maximum(num_loss_tokens, 1.0)
+                # Eq. 24 at the start of the step: (a) + (b) against the sampler, and (a) alone.
+                gap_current = jnp.sum(jnp.where(mask, jnp.abs(new_logprobs - batch.sampler_logprobs), 0.0))
+                skew = jnp.sum(jnp.where(mask, jnp.abs(new_logprobs - old_logprobs), 0.0))
+                return loss, {
+                    **aux,
+                    "start_logprob_gap_current": gap_current / count,
+                    "start_version_skew": skew / count,
+                }
 
             (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
             return {"policy_loss": loss, **aux}, like_params(grads)
@@ -244,9 +264,11 @@ class Learner:
         *,
         mesh: Mesh | None = None,
         take_ownership: bool = False,
+        policy_version: int = 0,
     ):
         self.config = config
         self.mesh = mesh
+        self._retained: dict[int, Any] = {}  # published actor versions kept for Eq. 26
         actor_graphdef, actor_params, self._actor_rest = nnx.split(actor, nnx.Param, ...)
         critic_graphdef, critic_params, self._critic_rest = nnx.split(critic, nnx.Param, ...)
         if not take_ownership:
@@ -277,9 +299,48 @@ class Learner:
                 actor_opt_state=self._programs.init_actor_optimizer(actor_params),
                 critic_opt_state=self._programs.init_critic_optimizer(critic_params),
                 step=jnp.zeros((), jnp.int32),
+                actor_version=jnp.asarray(policy_version, jnp.int32),
             )
 
-    # -- models and placement ------------------------------------------------------------------
+    # -- models, versions and placement ---------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the current actor parameters (the constructor's `policy_version`, plus one
+        per step that updated the actor)."""
+        return int(self.state.actor_version)
+
+    def publish_actor(self) -> tuple[Any, int]:
+        """A fresh copy of the current actor parameters and their version, for `Sampler.publish`.
+
+        The learner keeps that copy (the `ppo.retained_versions` newest versions) so that a batch
+        this version generates can be scored by the same weights on the trainer side: the
+        denominator of Eq. 26. The copy is never donated, so the sampler may hold it too.
+        """
+        version = self.policy_version
+        params = jax.tree.map(jnp.copy, self.state.actor_params)
+        self._retained[version] = params
+        for stale in sorted(self._retained)[: -self.config.ppo.retained_versions]:
+            del self._retained[stale]
+        return params, version
+
+    @property
+    def retained_versions(self) -> tuple[int, ...]:
+        return tuple(sorted(self._retained))
+
+    def _behaviour_params(self, batch: PreparedBatch):
+        """Actor weights of the policy that generated `batch` (see `PPOConfig.behaviour_policy`)."""
+        version = batch.policy_version
+        current = self.policy_version
+        if self.config.ppo.behaviour_policy == "current" or version is None or version == current:
+            return self.state.actor_params
+        if version in self._retained:
+            return self._retained[version]
+        raise ValueError(
+            f"batch was generated by policy version {version}; the learner holds version {current} and "
+            f"retains {list(self.retained_versions)} (publish through Learner.publish_actor, or set "
+            "ppo.behaviour_policy: current for a synchronous loop)"
+        )
 
     def actor_model(self) -> nnx.Module:
         """The actor with the current parameters (to publish to the sampler, to evaluate)."""
@@ -304,8 +365,9 @@ class Learner:
         axes = spec[0] if isinstance(spec[0], tuple) else () if spec[0] is None else (spec[0],)
         return math.prod(self.mesh.shape[axis] for axis in axes)
 
-    def put(self, micro_batches: Sequence[TrainBatch]) -> PreparedBatch:
-        """Host micro-batches -> device (sharded over the batch axes), with their token counts."""
+    def put(self, micro_batches: Sequence[TrainBatch], *, policy_version: int | None = None) -> PreparedBatch:
+        """Host micro-batches -> device (sharded over the batch axes), with their token counts.
+        `policy_version`: the version that generated them (None: the learner's current one)."""
         loss_tokens = [mb.num_loss_tokens for mb in micro_batches]
         if sum(loss_tokens) == 0:
             raise ValueError("the batch has no loss-bearing token; nothing to train on")
@@ -326,14 +388,20 @@ class Learner:
                 )
                 for mb in micro_batches
             ]
-        return PreparedBatch(placed, loss_tokens)
+        return PreparedBatch(placed, loss_tokens, policy_version)
 
     def prepare(self, samples: Sequence[Sample]) -> PreparedBatch:
         """Samples -> device micro-batches (see `t1jax.rl.batching`)."""
+        versions = sorted({s.policy_version for s in samples})
+        if len(versions) > 1 and self.config.ppo.behaviour_policy == "sample_version":
+            raise ValueError(
+                f"batch mixes samples of policy versions {versions}; the PPO ratio needs one behaviour "
+                "policy per batch (App. 12.1: every sample of a batch comes from the same version)"
+            )
         micro_batches = build_micro_batches(
             samples, self.config.batching, data_parallel_size=self.data_parallel_size
         )
-        return self.put(micro_batches)
+        return self.put(micro_batches, policy_version=versions[0] if len(versions) == 1 else None)
 
     # -- building blocks (current parameters, no update) ------------------------------------------
 
@@ -345,14 +413,17 @@ class Learner:
                 for mb in batch.micro_batches
             ]
 
-    def logprobs(self, batch: PreparedBatch, *, replay_routing: bool | None = None) -> list[jax.Array]:
-        """The actor's log-probs of the target tokens per micro-batch, float32 [B, T]; routing is
-        replayed from the batch by default (`ppo.routing_replay`)."""
+    def logprobs(
+        self, batch: PreparedBatch, *, replay_routing: bool | None = None, params: Any = None
+    ) -> list[jax.Array]:
+        """The actor's log-probs of the target tokens per micro-batch, float32 [B, T], with the
+        current parameters unless `params` is given; routing is replayed from the batch by
+        default (`ppo.routing_replay`)."""
         replay = self.config.ppo.routing_replay if replay_routing is None else replay_routing
+        params = self.state.actor_params if params is None else params
         with self._mesh_context():
             return [
-                self._programs.logprobs(self.state.actor_params, self._actor_rest, mb, replay)
-                for mb in batch.micro_batches
+                self._programs.logprobs(params, self._actor_rest, mb, replay) for mb in batch.micro_batches
             ]
 
     def advantages(
@@ -392,7 +463,7 @@ class Learner:
                 aux, micro_grads = self._programs.actor_grad(
                     self.state.actor_params, self._actor_rest, mb, lp, adv, count, replay
                 )
-                grads = micro_grads if grads is None else jax.tree.map(jnp.add, grads, micro_grads)
+                grads = micro_grads if grads is None else self._programs.accumulate(grads, micro_grads)
                 for key, value in aux.items():
                     totals[key] = totals.get(key, 0.0) + value
         return {key: float(value) for key, value in totals.items()}, grads
@@ -425,9 +496,10 @@ class Learner:
         # (2) V_old and (3) GAE, both before any update.
         old_values = self.values(batch)
         advantages, returns = self.advantages(batch, old_values, normalize=False)
-        # (5, hoisted) the trainer's own old log-probs under replayed routing, no gradient. They
-        # depend on the actor only, so computing them before the critic update changes nothing.
-        old_logprobs = self.logprobs(batch)
+        # (5, hoisted) the trainer's own old log-probs under replayed routing, no gradient, with
+        # the weights of the version that generated the batch (Eq. 26). They depend on the actor
+        # only, so computing them before the critic update changes nothing.
+        old_logprobs = self.logprobs(batch, params=self._behaviour_params(batch))
         replay = ppo.routing_replay
         metrics: dict[str, Any] = {}
         with self._mesh_context():
@@ -466,7 +538,12 @@ class Learner:
                 metrics.update(actor_metrics)
 
             new_state = LearnerState(
-                actor_params, critic_params, actor_opt_state, critic_opt_state, state.step + 1
+                actor_params,
+                critic_params,
+                actor_opt_state,
+                critic_opt_state,
+                state.step + 1,
+                state.actor_version + int(train_actor),
             )
             host_metrics = {key: float(value) for key, value in jax.device_get(metrics).items()}
         self.state = new_state
@@ -495,7 +572,12 @@ class Learner:
             )  # fmt: skip
             host_metrics = {key: float(value) for key, value in jax.device_get(metrics).items()}
         self.state = LearnerState(
-            actor_params, state.critic_params, actor_opt_state, state.critic_opt_state, state.step + 1
+            actor_params,
+            state.critic_params,
+            actor_opt_state,
+            state.critic_opt_state,
+            state.step + 1,
+            state.actor_version + 1,
         )
         host_metrics.update(_batch_metrics(batch, samples))
         host_metrics["time/step_sec"] = time.perf_counter() - started
@@ -520,20 +602,29 @@ class Learner:
         minibatches = self.config.ppo.minibatches if minibatches is None else minibatches
         groups = split_into_minibatches(list(range(len(batch.micro_batches))), minibatches)
         totals: dict[str, jax.Array] = {}
+        start: dict[str, jax.Array] = {}
         grad_norms = []
         for _ in range(epochs):
             for group in groups:
                 count = jnp.float32(sum(batch.loss_tokens[i] for i in group))
                 grads = None
+                first_update = not grad_norms
                 for i in group:
                     aux, micro_grads = grad_fn(params, i, count)
                     grads = micro_grads if grads is None else self._programs.accumulate(grads, micro_grads)
                     for key, value in aux.items():
-                        totals[key] = totals.get(key, 0.0) + value
+                        if key.startswith("start_"):
+                            # Start-of-step quantities: taken from the first optimizer step only
+                            # (its minibatch, i.e. the whole batch when ppo.minibatches = 1).
+                            if first_update:
+                                start[key] = start.get(key, 0.0) + value
+                        else:
+                            totals[key] = totals.get(key, 0.0) + value
                 params, opt_state, grad_norm = apply_fn(params, opt_state, grads)
                 grad_norms.append(grad_norm)
         num_updates = len(grad_norms)
         metrics = {f"{prefix}/{key}": value / num_updates for key, value in totals.items()}
+        metrics.update({f"{prefix}/{key}": value for key, value in start.items()})
         metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / num_updates
         metrics[f"{prefix}/num_updates"] = num_updates
         return params, opt_state, metrics
