@@ -65,6 +65,14 @@ def test_replay_echoes_and_reproduces_free_routing(tiny_model, padded_batch, jit
     np.testing.assert_array_equal(np.asarray(forced.routing), other)
     assert np.abs(np.asarray(forced.logits) - np.asarray(free.logits)).max() > 1e-3
 
+    # -1 in all k slots marks a missing record (padding, a sample's last token): routed freely.
+    partial = np.asarray(free.routing).copy()
+    partial[:, -20:] = -1
+    partial[1, 3, 2] = -1
+    mixed = jit_forward(tiny_model, ids, segments, routing_replay=partial)
+    np.testing.assert_array_equal(np.asarray(mixed.routing), np.asarray(free.routing))
+    np.testing.assert_array_equal(np.asarray(mixed.logits), np.asarray(free.logits))
+
 
 def _loss_grads(model, ids, segments):
     graphdef, params = nnx.split(model, nnx.Param)
@@ -122,6 +130,12 @@ def test_bad_replay_arrays_are_rejected(tiny_model, padded_batch):
     repeated[0, 3, 1] = [4, 4]
     with pytest.raises(ValueError, match=r"repeats an expert at layer 1 \(batch row 0, position 3\)"):
         tiny_model(ids, segment_ids=segments, routing_replay=repeated)
+    half_missing = good.copy()
+    half_missing[2, 7, 0] = [-1, 3]
+    with pytest.raises(
+        ValueError, match=r"mixes -1 \(no record\) with expert ids at layer 0 \(batch row 2, position 7\)"
+    ):
+        tiny_model(ids, segment_ids=segments, routing_replay=half_missing)
     with pytest.raises(ValueError, match="integer expert ids"):
         tiny_model(ids, segment_ids=segments, routing_replay=good.astype(np.float32))
 
