@@ -144,11 +144,12 @@ class _Programs:
         def critic_model(params, rest):
             return nnx.merge(critic_graphdef, params, rest)
 
-        def like_params(grads):
-            # Gradients take their parameters' sharding so accumulation and the update stay local.
+        def like_params(tree):
+            # Gradients and optimizer moments take their parameters' sharding (read from the
+            # logical axes every nnx.Param carries), so accumulation and the update stay local.
             if mesh is None:
-                return grads
-            return jax.lax.with_sharding_constraint(grads, state_shardings(grads, mesh))
+                return tree
+            return jax.lax.with_sharding_constraint(tree, state_shardings(tree, mesh))
 
         def values(params, rest, batch):
             return critic_values(critic_model(params, rest), batch)
@@ -218,7 +219,7 @@ class _Programs:
             def apply(params, opt_state, grads):
                 grad_norm = optax.tree.norm(grads)
                 updates, opt_state = optimizer.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), opt_state, grad_norm
+                return like_params(optax.apply_updates(params, updates)), like_params(opt_state), grad_norm
 
             return jax.jit(apply, donate_argnums=(0, 1))
 
@@ -231,8 +232,8 @@ class _Programs:
         self.accumulate = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
         self.apply_actor = make_apply(self.actor_optimizer)
         self.apply_critic = make_apply(self.critic_optimizer)
-        self.init_actor_optimizer = jax.jit(self.actor_optimizer.init)
-        self.init_critic_optimizer = jax.jit(self.critic_optimizer.init)
+        self.init_actor_optimizer = jax.jit(lambda params: like_params(self.actor_optimizer.init(params)))
+        self.init_critic_optimizer = jax.jit(lambda params: like_params(self.critic_optimizer.init(params)))
         self.diagnostics = jax.jit(batch_diagnostics)
 
 

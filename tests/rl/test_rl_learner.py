@@ -311,6 +311,9 @@ def test_sharded_step_equals_the_single_device_step(models, rl_config, samples):
     assert len(batch.micro_batches[0].input_ids.sharding.device_set) == 8
     embed = sharded.state.actor_params["model"]["embed_tokens"].get_value()
     assert embed.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+    adam = sharded.state.actor_opt_state[1][0]  # chain(clip, adamw) -> adam moments
+    for moment in (adam.mu, adam.nu):
+        assert moment["model"]["embed_tokens"].get_value().sharding.spec == embed.sharding.spec
 
     for key, value in arrays.items():
         np.testing.assert_allclose(value, single_arrays[key], atol=1e-5, rtol=1e-5, err_msg=key)
