@@ -673,6 +673,10 @@ def _batch_metrics(batch: PreparedBatch, samples) -> dict[str, float]:
         "batch/padding_fraction": 1.0 - rows_used / slots,
     }
     if not isinstance(samples, PreparedBatch):
+        audit = sum((s.audit for s in samples), start=type(samples[0].audit)())
+        metrics["tito/retokenized_positions"] = float(audit.retokenized)
+        metrics["tito/placeholder_positions"] = float(audit.placeholder)
+        metrics["tito/drift_in_loss_region"] = float(audit.drift_in_loss_region)  # must stay 0 (Eq. 11)
         metrics["batch/num_samples"] = float(len(samples))
         metrics["batch/sample_reward_mean"] = float(np.mean([s.reward for s in samples]))
         metrics["batch/samples_without_loss_tokens"] = float(sum(s.num_loss_tokens == 0 for s in samples))

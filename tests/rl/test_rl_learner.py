@@ -209,6 +209,42 @@ def test_accumulating_micro_batches_equals_one_big_batch(models, rl_config, samp
     assert actor_error < 0.01 * actor_update and critic_error < 0.01 * actor_update
 
 
+def test_packed_rows_give_the_numbers_of_one_sample_per_row(models, rl_config, samples):
+    """Packing (several samples per row, segment ids, positions restarting) changes nothing a
+    sample sees: the same per-sample values and log-probs, the same gradient."""
+    import dataclasses
+
+    learner = Learner(*models, rl_config)
+    packed_config = dataclasses.replace(rl_config.batching, pack=True)
+    unpacked = learner.prepare(samples)
+    packed = learner.put(build_micro_batches(samples, packed_config))
+    assert packed.micro_batches[0].shape == (ROWS, LENGTH)  # 32 | 26 | 19 + 13 | empty
+    assert int(np.max(np.asarray(packed.micro_batches[0].segment_ids))) == 2
+
+    def per_sample_sums(batch, arrays):
+        sums = []
+        for mb, x in zip(batch.micro_batches, arrays, strict=True):
+            segments, mask, x = (np.asarray(a) for a in (mb.segment_ids, mb.action_mask, x))
+            for row in range(segments.shape[0]):
+                for segment in set(segments[row].tolist()) - {0}:
+                    rows = (segments[row] == segment) & (mask[row] > 0)
+                    sums.append(float(x[row][rows].sum()))
+        return np.sort(sums)
+
+    for measure in (learner.values, learner.logprobs):
+        np.testing.assert_allclose(
+            per_sample_sums(packed, measure(packed)),
+            per_sample_sums(unpacked, measure(unpacked)),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    gradients = []
+    for batch in (unpacked, packed):
+        advantages, _ = learner.advantages(batch, learner.values(batch))
+        gradients.append(learner.actor_gradients(batch, learner.logprobs(batch), advantages)[1])
+    assert relative_error(*gradients) < 1e-5
+
+
 def test_replayed_routing_gradient_reaches_the_router_and_ignores_the_live_top_k(
     models, rl_config, samples, free_forward
 ):
@@ -288,6 +324,7 @@ def test_sharded_step_equals_the_single_device_step(models, rl_config, samples):
         (old_values,) = learner.values(batch)
         (advantages,), (returns,) = learner.advantages(batch, [old_values])
         (old_logprobs,) = learner.logprobs(batch)
+        _, grads = learner.actor_gradients(batch, [old_logprobs], [advantages])
         metrics = learner.step(batch)
         (new_values,) = learner.values(batch)
         (new_logprobs,) = learner.logprobs(batch)
@@ -299,15 +336,15 @@ def test_sharded_step_equals_the_single_device_step(models, rl_config, samples):
             new_values=new_values,
             new_logprobs=new_logprobs,
         )
-        return batch, {k: np.asarray(v) for k, v in arrays.items()}, metrics
+        return batch, {k: np.asarray(v) for k, v in arrays.items()}, grads, metrics
 
     single = Learner(*models, rl_config)
-    _, single_arrays, single_metrics = run(single)
+    _, single_arrays, single_grads, single_metrics = run(single)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(jax.scipy.linalg, "solve_triangular", unit_lower_triangular_solve)
         sharded = Learner(*models, rl_config, mesh=make_mesh(fsdp=2, expert=2, tensor=2))
         assert sharded.data_parallel_size == 2
-        batch, arrays, metrics = run(sharded)
+        batch, arrays, grads, metrics = run(sharded)
     assert len(batch.micro_batches[0].input_ids.sharding.device_set) == 8
     embed = sharded.state.actor_params["model"]["embed_tokens"].get_value()
     assert embed.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
@@ -319,13 +356,16 @@ def test_sharded_step_equals_the_single_device_step(models, rl_config, samples):
         np.testing.assert_allclose(value, single_arrays[key], atol=1e-5, rtol=1e-5, err_msg=key)
     for key in ("actor/policy_loss", "critic/value_loss", "critic/explained_variance", "actor/grad_norm"):
         assert metrics[key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
+    gradient_error = relative_error(single_grads, grads)
     actor_error = max_abs_diff(sharded.state.actor_params, single.state.actor_params)
     critic_error = max_abs_diff(sharded.state.critic_params, single.state.critic_params)
     actor_update = max_abs_diff(single.state.actor_params, nnx.state(models[0], nnx.Param))
     print(
-        f"\nsharded vs single device: parameters after the step differ by actor {actor_error:.2e}, "
-        f"critic {critic_error:.2e} (update size {actor_update:.2e})"
+        f"\nsharded vs single device: actor gradient relative error {gradient_error:.2e}; parameters "
+        f"after the step differ by actor {actor_error:.2e}, critic {critic_error:.2e} "
+        f"(update size {actor_update:.2e}; Adam's first step maps tiny gradient noise to update-sized moves)"
     )
+    assert gradient_error < 1e-4
     assert actor_error < 0.1 * actor_update and critic_error < 0.1 * actor_update
     # The sharded step reduces both losses on its batch.
     mask, count = batch.micro_batches[0].action_mask, jnp.float32(batch.num_loss_tokens)
