@@ -30,7 +30,10 @@ Invariants:
 - The critic never replays routing (App. 12.4); the actor replays it in both passes, so the ratio
   compares two versions of one sub-network.
 - No KL term, no entropy bonus, no load-balancing loss (§4.4).
-- A step either completes and replaces `Learner.state`, or raises and leaves it untouched.
+- Bad input (no loss token, missing routing, an unknown or mixed generating version, shapes that
+  do not split over the mesh) raises before anything runs, leaving `Learner.state` untouched. A
+  failure in the middle of the update (e.g. out of memory) can leave donated buffers behind:
+  restore from the last checkpoint then.
 
 Compiled programs are cached per (model structures, configs, mesh), so a second `Learner` over
 the same architecture (e.g. after critic warm-up) reuses them.
