@@ -1,0 +1,726 @@
+"""The PPO learner: critic first, then actor with replayed routing (paper §4.5 Eq. 16-18, App. 12).
+
+This module owns `Learner` (the trainable state of both roles and one RL step over a list of
+`Sample`s), `LearnerState` (everything a checkpoint needs, a pytree) and the SFT step. One RL
+step (`Learner.step`), in this order:
+
+1. batch: samples -> fixed-shape micro-batches (`t1jax.rl.batching`), placed on the trainer mesh
+   with the row axis split over the mesh's batch axes (`act_batch` rule: data, fsdp);
+2. V_old: the critic's values before any update this step, no gradient (Eq. 28: V_old = V_phi_{t-1});
+3. advantages and returns by GAE from V_old and the rewards (Eq. 16); explained variance of V_old
+   (Eq. 19) over the whole batch;
+4. critic update(s) with the clipped value loss anchored at V_old (Eq. 17);
+5. old log-probs recomputed by the trainer with the weights of the actor version that generated
+   the batch (kept by `publish_actor`) and routing replayed from the samples' records, no
+   gradient (Eq. 26's denominator). The sampler's log-probs serve diagnostics only;
+6. actor update(s) with the clipped surrogate (Eq. 18); new log-probs use the current weights and
+   the same replayed routing, with gradient (Eq. 26's numerator; Eq. 27: selection frozen,
+   gates live).
+
+Train-inference diagnostics (Eq. 15, Eq. 24), over the loss rows of the whole batch, before any
+actor update: `actor/logprob_gap` = mean |trainer - sampler| at the generating version (term (b),
+what TITO and R3 remove); `actor/start_logprob_gap_current` = the same with the current weights
+(Eq. 15 as the paper plots it: (a) + (b)); `actor/start_version_skew` = mean |current - generating|
+(term (a), the one update PPO's clip bounds; 0 in a synchronous loop).
+
+Invariants:
+- Every loss is a token sum divided by the loss-token count of the whole batch (of the optimizer
+  step's minibatch when `ppo.minibatches > 1`); micro-batch gradients are summed, so accumulation
+  over any number of micro-batches gives the update of one big batch.
+- The critic never replays routing (App. 12.4); the actor replays it in both passes, so the ratio
+  compares two versions of one sub-network.
+- No KL term, no entropy bonus, no load-balancing loss (§4.4).
+- Bad input (no loss token, missing routing, an unknown or mixed generating version, shapes that
+  do not split over the mesh) raises before anything runs, leaving `Learner.state` untouched. A
+  failure in the middle of the update (e.g. out of memory) can leave donated buffers behind:
+  restore from the last checkpoint then.
+
+Compiled programs are cached per (model structures, configs, mesh), so a second `Learner` over
+the same architecture (e.g. after critic warm-up) reuses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from t1jax.parallel.rules import ACT_BATCH, ACT_LENGTH, resolve_spec, state_shardings
+from t1jax.rl.advantages import gae_advantages, normalize_advantages
+from t1jax.rl.batching import TrainBatch, build_micro_batches, split_into_minibatches
+from t1jax.rl.config import RLConfig
+from t1jax.rl.diagnostics import Moments, explained_variance_from_moments, logprob_gap_sum, masked_moments
+from t1jax.rl.losses import policy_loss, sft_loss, token_logprobs, value_loss
+from t1jax.rl.optim import OptimizerConfig, make_optimizer
+from t1jax.rl.reward import RewardOutcome, summarize_rewards
+from t1jax.tito.types import Sample
+
+# ------------------------------------------------------------------------------------------------
+# The two model calls: everything model-specific the learner relies on.
+
+
+def policy_logprobs(model: nnx.Module, batch: TrainBatch, *, replay_routing: bool) -> jax.Array:
+    """log pi(target_ids | prefix) per row, float32[B, T]. With `replay_routing` every MoE layer
+    takes its expert selection from `batch.routing` and only the gates come from the live router
+    scores (Eq. 12, Eq. 27); otherwise the model routes by its own top-k."""
+    if replay_routing and batch.routing is None:
+        raise ValueError("routing replay requested but the batch carries no routing records")
+    out = model(
+        batch.input_ids,
+        segment_ids=batch.segment_ids,
+        positions=batch.positions,
+        routing_replay=batch.routing if replay_routing else None,
+    )
+    return token_logprobs(out.logits, batch.target_ids)
+
+
+def critic_values(critic: nnx.Module, batch: TrainBatch) -> jax.Array:
+    """V(tokens[:i + 1]) per row, float32[B, T]. The critic routes freely (App. 12.4)."""
+    values = critic(batch.input_ids, segment_ids=batch.segment_ids, positions=batch.positions)
+    return values.astype(jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LearnerState:
+    """Everything a learner checkpoint holds; a pytree of arrays (orbax-friendly)."""
+
+    actor_params: Any  # nnx.State of the actor's nnx.Param variables
+    critic_params: Any
+    actor_opt_state: Any  # optax state
+    critic_opt_state: Any
+    step: jax.Array  # int32 scalar: completed learner steps (RL or SFT)
+    actor_version: jax.Array  # int32 scalar: policy version of actor_params (+1 per actor update step)
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """Device micro-batches of one step, their host-side loss-token counts, and the policy
+    version that generated every sample in them (None: treat as the learner's current version)."""
+
+    micro_batches: list[TrainBatch]
+    loss_tokens: list[int]
+    policy_version: int | None = None
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.loss_tokens)
+
+
+class _Programs:
+    """The jitted per-micro-batch functions for one (actor, critic) structure and mesh, and the
+    few hyperparameters compiled into them (schedule and normalisation settings are not)."""
+
+    def __init__(
+        self,
+        actor_graphdef,
+        critic_graphdef,
+        clip_eps: float,
+        value_clip_eps: float,
+        gamma: float,
+        lam: float,
+        actor_optimizer: OptimizerConfig,
+        critic_optimizer: OptimizerConfig,
+        mesh: Mesh | None,
+    ):
+        self.actor_optimizer = make_optimizer(actor_optimizer)
+        self.critic_optimizer = make_optimizer(critic_optimizer)
+
+        def actor_model(params, rest):
+            return nnx.merge(actor_graphdef, params, rest)
+
+        def critic_model(params, rest):
+            return nnx.merge(critic_graphdef, params, rest)
+
+        def like_params(tree):
+            # Gradients and optimizer moments take their parameters' sharding (read from the
+            # logical axes every nnx.Param carries), so accumulation and the update stay local.
+            if mesh is None:
+                return tree
+            return jax.lax.with_sharding_constraint(tree, state_shardings(tree, mesh))
+
+        def values(params, rest, batch):
+            return critic_values(critic_model(params, rest), batch)
+
+        def critic_grad(params, rest, batch, old_values, returns, num_loss_tokens):
+            def objective(p):
+                new_values = critic_values(critic_model(p, rest), batch)
+                return value_loss(
+                    new_values,
+                    old_values,
+                    returns,
+                    batch.action_mask,
+                    num_loss_tokens,
+                    clip_eps=value_clip_eps,
+                )
+
+            (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
+            return {"value_loss": loss, **aux}, like_params(grads)
+
+        def logprobs(params, rest, batch, replay):
+            return policy_logprobs(actor_model(params, rest), batch, replay_routing=replay)
+
+        def actor_grad(params, rest, batch, old_logprobs, advantages_, num_loss_tokens, replay):
+            def objective(p):
+                new_logprobs = policy_logprobs(actor_model(p, rest), batch, replay_routing=replay)
+                loss, aux = policy_loss(
+                    new_logprobs,
+                    old_logprobs,
+                    advantages_,
+                    batch.action_mask,
+                    num_loss_tokens,
+                    clip_eps=clip_eps,
+                )
+                new_logprobs = jax.lax.stop_gradient(new_logprobs)
+                mask, count = batch.action_mask > 0, jnp.maximum(num_loss_tokens, 1.0)
+                # Eq. 24 at the start of the step: (a) + (b) against the sampler, and (a) alone.
+                gap_current = jnp.sum(jnp.where(mask, jnp.abs(new_logprobs - batch.sampler_logprobs), 0.0))
+                skew = jnp.sum(jnp.where(mask, jnp.abs(new_logprobs - old_logprobs), 0.0))
+                return loss, {
+                    **aux,
+                    "start_logprob_gap_current": gap_current / count,
+                    "start_version_skew": skew / count,
+                }
+
+            (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
+            return {"policy_loss": loss, **aux}, like_params(grads)
+
+        def sft_grad(params, rest, batch, num_loss_tokens, replay):
+            def objective(p):
+                logprobs_ = policy_logprobs(actor_model(p, rest), batch, replay_routing=replay)
+                return sft_loss(logprobs_, batch.action_mask, num_loss_tokens)
+
+            (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
+            return {"sft_loss": loss, **aux}, like_params(grads)
+
+        def gae(batch, old_values):
+            return gae_advantages(
+                batch.rewards,
+                old_values,
+                batch.action_mask,
+                batch.segment_ids,
+                gamma=gamma,
+                lam=lam,
+            )
+
+        def make_apply(optimizer: optax.GradientTransformation):
+            def apply(params, opt_state, grads):
+                grad_norm = optax.tree.norm(grads)
+                updates, opt_state = optimizer.update(grads, opt_state, params)
+                return like_params(optax.apply_updates(params, updates)), like_params(opt_state), grad_norm
+
+            return jax.jit(apply, donate_argnums=(0, 1))
+
+        self.values = jax.jit(values)
+        self.critic_grad = jax.jit(critic_grad)
+        self.logprobs = jax.jit(logprobs, static_argnums=3)
+        self.actor_grad = jax.jit(actor_grad, static_argnums=6)
+        self.sft_grad = jax.jit(sft_grad, static_argnums=4)
+        self.gae = jax.jit(gae)
+        self.accumulate = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
+        self.apply_actor = make_apply(self.actor_optimizer)
+        self.apply_critic = make_apply(self.critic_optimizer)
+        self.init_actor_optimizer = jax.jit(lambda params: like_params(self.actor_optimizer.init(params)))
+        self.init_critic_optimizer = jax.jit(lambda params: like_params(self.critic_optimizer.init(params)))
+        self.diagnostics = jax.jit(batch_diagnostics)
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(*key) -> _Programs:
+    return _Programs(*key)
+
+
+class Learner:
+    """Actor and critic, their optimizers, and one PPO (or SFT) step at a time.
+
+    `actor(input_ids, segment_ids=, positions=, routing_replay=)` must return an object with
+    `.logits` [B, T, V]; `critic(input_ids, segment_ids=, positions=)` values [B, T]. Both are
+    split into parameters (trained) and the rest (kept). With `mesh`, parameters are placed by
+    their logical axis names (`t1jax.parallel.rules`) and each micro-batch's rows are split over
+    the mesh's batch axes; `batching.rows_per_micro_batch` must be a multiple of that split.
+
+    Buffers: every update donates the previous parameters and optimizer state, so arrays read
+    from `state`, `actor_model()` or `critic_model()` are valid until the next step (copy or
+    publish them before). The modules passed in are copied unless `take_ownership=True` (then
+    they must not be used afterwards, and the actor and critic must not share arrays).
+    """
+
+    def __init__(
+        self,
+        actor: nnx.Module,
+        critic: nnx.Module,
+        config: RLConfig,
+        *,
+        mesh: Mesh | None = None,
+        take_ownership: bool = False,
+        policy_version: int = 0,
+    ):
+        self.config = config
+        self.mesh = mesh
+        self._retained: dict[int, Any] = {}  # published actor versions kept for Eq. 26
+        actor_graphdef, actor_params, self._actor_rest = nnx.split(actor, nnx.Param, ...)
+        critic_graphdef, critic_params, self._critic_rest = nnx.split(critic, nnx.Param, ...)
+        if not take_ownership:
+            # Updates donate the old parameter buffers. Copies keep the caller's modules valid and
+            # keep a critic built by `from_actor` (which shares the actor's arrays) from deleting
+            # the actor's weights on its first update.
+            actor_params = jax.tree.map(jnp.copy, actor_params)
+            critic_params = jax.tree.map(jnp.copy, critic_params)
+        self._actor_graphdef, self._critic_graphdef = actor_graphdef, critic_graphdef
+        self._programs = _programs(
+            actor_graphdef,
+            critic_graphdef,
+            config.ppo.clip_eps,
+            config.ppo.value_clip_eps,
+            config.advantages.gamma,
+            config.advantages.lam,
+            config.actor_optimizer,
+            config.critic_optimizer,
+            mesh,
+        )
+        if mesh is not None:
+            actor_params = jax.device_put(actor_params, state_shardings(actor_params, mesh))
+            critic_params = jax.device_put(critic_params, state_shardings(critic_params, mesh))
+        with self._mesh_context():
+            self.state = LearnerState(
+                actor_params=actor_params,
+                critic_params=critic_params,
+                actor_opt_state=self._programs.init_actor_optimizer(actor_params),
+                critic_opt_state=self._programs.init_critic_optimizer(critic_params),
+                step=jnp.zeros((), jnp.int32),
+                actor_version=jnp.asarray(policy_version, jnp.int32),
+            )
+
+    # -- models, versions and placement ---------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the current actor parameters (the constructor's `policy_version`, plus one
+        per step that updated the actor)."""
+        return int(self.state.actor_version)
+
+    def publish_actor(self) -> tuple[Any, int]:
+        """A fresh copy of the current actor parameters and their version, for `Sampler.publish`.
+
+        The learner keeps that copy (the `ppo.retained_versions` newest versions) so that a batch
+        this version generates can be scored by the same weights on the trainer side: the
+        denominator of Eq. 26. The copy is never donated, so the sampler may hold it too.
+        """
+        version = self.policy_version
+        params = jax.tree.map(jnp.copy, self.state.actor_params)
+        self._retained[version] = params
+        for stale in sorted(self._retained)[: -self.config.ppo.retained_versions]:
+            del self._retained[stale]
+        return params, version
+
+    @property
+    def retained_versions(self) -> tuple[int, ...]:
+        return tuple(sorted(self._retained))
+
+    def _behaviour_params(self, batch: PreparedBatch):
+        """Actor weights of the policy that generated `batch` (see `PPOConfig.behaviour_policy`)."""
+        version = batch.policy_version
+        current = self.policy_version
+        if self.config.ppo.behaviour_policy == "current" or version is None or version == current:
+            return self.state.actor_params
+        if version in self._retained:
+            return self._retained[version]
+        raise ValueError(
+            f"batch was generated by policy version {version}; the learner holds version {current} and "
+            f"retains {list(self.retained_versions)} (publish through Learner.publish_actor, or set "
+            "ppo.behaviour_policy: current for a synchronous loop)"
+        )
+
+    def actor_model(self) -> nnx.Module:
+        """The actor with the current parameters (to publish to the sampler, to evaluate)."""
+        return nnx.merge(self._actor_graphdef, self.state.actor_params, self._actor_rest)
+
+    def critic_model(self) -> nnx.Module:
+        return nnx.merge(self._critic_graphdef, self.state.critic_params, self._critic_rest)
+
+    def _mesh_context(self):
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def _row_spec(self, rank: int, rows: int) -> PartitionSpec:
+        logical = (ACT_BATCH, ACT_LENGTH) + (None,) * (rank - 2)
+        return resolve_spec(logical, (rows,) + (1,) * (rank - 1), self.mesh)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ways the rows of a micro-batch are split (product of the mesh's batch axes)."""
+        if self.mesh is None:
+            return 1
+        spec = self._row_spec(rank=2, rows=math.prod(self.mesh.shape.values()))
+        axes = spec[0] if isinstance(spec[0], tuple) else () if spec[0] is None else (spec[0],)
+        return math.prod(self.mesh.shape[axis] for axis in axes)
+
+    def put(self, micro_batches: Sequence[TrainBatch], *, policy_version: int | None = None) -> PreparedBatch:
+        """Host micro-batches -> device (sharded over the batch axes), with their token counts.
+        `policy_version`: the version that generated them (None: the learner's current one)."""
+        loss_tokens = [mb.num_loss_tokens for mb in micro_batches]
+        if sum(loss_tokens) == 0:
+            raise ValueError("the batch has no loss-bearing token; nothing to train on")
+        rows = {mb.input_ids.shape[0] for mb in micro_batches}
+        bad = [r for r in rows if r % self.data_parallel_size]
+        if bad:
+            raise ValueError(
+                f"micro-batch rows {sorted(rows)} are not multiples of the data-parallel size "
+                f"{self.data_parallel_size}"
+            )
+        if self.mesh is None:
+            placed = [jax.device_put(mb) for mb in micro_batches]
+        else:
+            placed = [
+                jax.tree.map(
+                    lambda x: jax.device_put(x, NamedSharding(self.mesh, self._row_spec(x.ndim, x.shape[0]))),
+                    mb,
+                )
+                for mb in micro_batches
+            ]
+        return PreparedBatch(placed, loss_tokens, policy_version)
+
+    def prepare(self, samples: Sequence[Sample]) -> PreparedBatch:
+        """Samples -> device micro-batches (see `t1jax.rl.batching`)."""
+        versions = sorted({s.policy_version for s in samples})
+        if len(versions) > 1 and self.config.ppo.behaviour_policy == "sample_version":
+            raise ValueError(
+                f"batch mixes samples of policy versions {versions}; the PPO ratio needs one behaviour "
+                "policy per batch (App. 12.1: every sample of a batch comes from the same version)"
+            )
+        micro_batches = build_micro_batches(
+            samples, self.config.batching, data_parallel_size=self.data_parallel_size
+        )
+        return self.put(micro_batches, policy_version=versions[0] if len(versions) == 1 else None)
+
+    # -- building blocks (current parameters, no update) ------------------------------------------
+
+    def values(self, batch: PreparedBatch) -> list[jax.Array]:
+        """The critic's values per micro-batch, float32 [B, T] (V_old when called before a step)."""
+        with self._mesh_context():
+            return [
+                self._programs.values(self.state.critic_params, self._critic_rest, mb)
+                for mb in batch.micro_batches
+            ]
+
+    def logprobs(
+        self, batch: PreparedBatch, *, replay_routing: bool | None = None, params: Any = None
+    ) -> list[jax.Array]:
+        """The actor's log-probs of the target tokens per micro-batch, float32 [B, T], with the
+        current parameters unless `params` is given; routing is replayed from the batch by
+        default (`ppo.routing_replay`)."""
+        replay = self.config.ppo.routing_replay if replay_routing is None else replay_routing
+        params = self.state.actor_params if params is None else params
+        with self._mesh_context():
+            return [
+                self._programs.logprobs(params, self._actor_rest, mb, replay) for mb in batch.micro_batches
+            ]
+
+    def advantages(
+        self, batch: PreparedBatch, old_values: Sequence[jax.Array], *, normalize: bool | None = None
+    ) -> tuple[list[jax.Array], list[jax.Array]]:
+        """GAE advantages and returns per micro-batch from the given values (Eq. 16); advantages
+        are normalised with whole-batch statistics when `normalize` (default
+        `advantages.normalize`) is set."""
+        normalize = self.config.advantages.normalize if normalize is None else normalize
+        mbs = batch.micro_batches
+        with self._mesh_context():
+            pairs = [self._programs.gae(mb, v) for mb, v in zip(mbs, old_values, strict=True)]
+            advantages = [a for a, _ in pairs]
+            returns = [r for _, r in pairs]
+            if normalize:
+                moments = _merged(
+                    masked_moments(a, mb.action_mask) for mb, a in zip(mbs, advantages, strict=True)
+                )
+                std = jnp.sqrt(moments.variance)
+                advantages = [
+                    normalize_advantages(a, mb.action_mask, moments.mean, std)
+                    for mb, a in zip(mbs, advantages, strict=True)
+                ]
+        return advantages, returns
+
+    def actor_gradients(
+        self, batch: PreparedBatch, old_logprobs: Sequence[jax.Array], advantages: Sequence[jax.Array]
+    ) -> tuple[dict[str, float], Any]:
+        """The clipped-surrogate loss terms and its gradient for the whole batch (summed over
+        micro-batches, normalised by the batch's loss-token count), without updating anything."""
+        replay = self.config.ppo.routing_replay
+        count = jnp.float32(batch.num_loss_tokens)
+        totals: dict[str, jax.Array] = {}
+        grads = None
+        with self._mesh_context():
+            for mb, lp, adv in zip(batch.micro_batches, old_logprobs, advantages, strict=True):
+                aux, micro_grads = self._programs.actor_grad(
+                    self.state.actor_params, self._actor_rest, mb, lp, adv, count, replay
+                )
+                grads = micro_grads if grads is None else self._programs.accumulate(grads, micro_grads)
+                for key, value in aux.items():
+                    totals[key] = totals.get(key, 0.0) + value
+        return {key: float(value) for key, value in totals.items()}, grads
+
+    # -- the RL step -----------------------------------------------------------------------------
+
+    def step(
+        self,
+        samples: Sequence[Sample] | PreparedBatch,
+        *,
+        reward_outcomes: Sequence[RewardOutcome] | None = None,
+        train_actor: bool = True,
+        train_critic: bool = True,
+    ) -> dict[str, float]:
+        """One RL step (module docstring). Returns host floats keyed by metric name.
+
+        `train_actor=False` holds the actor (critic warm-up); the old log-probs and |Δlogp| are
+        still measured. `reward_outcomes` (the batch's `RewardOutcome`s) adds reward metrics
+        with fallback-cause counts.
+        """
+        started = time.perf_counter()
+        batch = samples if isinstance(samples, PreparedBatch) else self.prepare(samples)
+        programs, ppo, state = self._programs, self.config.ppo, self.state
+        mbs = batch.micro_batches
+        if ppo.routing_replay and any(mb.routing is None for mb in mbs):
+            raise ValueError(
+                "ppo.routing_replay is on but the batch carries no routing records (absent routing "
+                "is a hard error, paper §4.3); set ppo.routing_replay: false only for dense models"
+            )
+        # (2) V_old and (3) GAE, both before any update.
+        old_values = self.values(batch)
+        advantages, returns = self.advantages(batch, old_values, normalize=False)
+        # (5, hoisted) the trainer's own old log-probs under replayed routing, no gradient, with
+        # the weights of the version that generated the batch (Eq. 26). They depend on the actor
+        # only, so computing them before the critic update changes nothing.
+        old_logprobs = self.logprobs(batch, params=self._behaviour_params(batch))
+        replay = ppo.routing_replay
+        metrics: dict[str, Any] = {}
+        with self._mesh_context():
+            metrics.update(programs.diagnostics(mbs, old_values, advantages, returns, old_logprobs))
+            if self.config.advantages.normalize:  # after the diagnostics, which report raw advantages
+                advantages, _ = self.advantages(batch, old_values, normalize=True)
+
+            # (4) the critic first, its value clip anchored at V_old.
+            critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
+            if train_critic:
+
+                def critic_grad(params, i, count):
+                    return programs.critic_grad(
+                        params, self._critic_rest, mbs[i], old_values[i], returns[i], count
+                    )
+
+                critic_params, critic_opt_state, critic_metrics = self._updates(
+                    programs.apply_critic, critic_params, critic_opt_state, batch, ppo.critic_epochs,
+                    critic_grad, prefix="critic",
+                )  # fmt: skip
+                metrics.update(critic_metrics)
+
+            # (6) the actor, new log-probs under the same replayed routing.
+            actor_params, actor_opt_state = state.actor_params, state.actor_opt_state
+            if train_actor:
+
+                def actor_grad(params, i, count):
+                    return programs.actor_grad(
+                        params, self._actor_rest, mbs[i], old_logprobs[i], advantages[i], count, replay
+                    )
+
+                actor_params, actor_opt_state, actor_metrics = self._updates(
+                    programs.apply_actor, actor_params, actor_opt_state, batch, ppo.actor_epochs,
+                    actor_grad, prefix="actor",
+                )  # fmt: skip
+                metrics.update(actor_metrics)
+
+            new_state = LearnerState(
+                actor_params,
+                critic_params,
+                actor_opt_state,
+                critic_opt_state,
+                state.step + 1,
+                state.actor_version + int(train_actor),
+            )
+            host_metrics = {key: float(value) for key, value in jax.device_get(metrics).items()}
+        self.state = new_state
+        host_metrics.update(_batch_metrics(batch, samples))
+        if reward_outcomes is not None:
+            host_metrics.update(summarize_rewards(reward_outcomes))
+        host_metrics["time/step_sec"] = time.perf_counter() - started
+        return host_metrics
+
+    def sft_step(self, samples: Sequence[Sample] | PreparedBatch) -> dict[str, float]:
+        """One supervised step on stitched samples: masked cross-entropy over the loss rows, one
+        actor optimizer step (a warm-start run sets `actor_optimizer` for SFT). Routing is
+        replayed when the samples carry it and `ppo.routing_replay` is on, else routed live."""
+        started = time.perf_counter()
+        batch = samples if isinstance(samples, PreparedBatch) else self.prepare(samples)
+        programs, state = self._programs, self.state
+        replay = self.config.ppo.routing_replay and batch.micro_batches[0].routing is not None
+
+        def sft_grad(params, i, count):
+            return programs.sft_grad(params, self._actor_rest, batch.micro_batches[i], count, replay)
+
+        with self._mesh_context():
+            actor_params, actor_opt_state, metrics = self._updates(
+                programs.apply_actor, state.actor_params, state.actor_opt_state, batch, 1, sft_grad,
+                prefix="sft", minibatches=1,
+            )  # fmt: skip
+            host_metrics = {key: float(value) for key, value in jax.device_get(metrics).items()}
+        self.state = LearnerState(
+            actor_params,
+            state.critic_params,
+            actor_opt_state,
+            state.critic_opt_state,
+            state.step + 1,
+            state.actor_version + 1,
+        )
+        host_metrics.update(_batch_metrics(batch, samples))
+        host_metrics["time/step_sec"] = time.perf_counter() - started
+        return host_metrics
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _updates(
+        self,
+        apply_fn: Callable,
+        params,
+        opt_state,
+        batch: PreparedBatch,
+        epochs: int,
+        grad_fn: Callable,
+        *,
+        prefix: str,
+        minibatches: int | None = None,
+    ):
+        """`epochs` passes, each `minibatches` optimizer steps; a step sums the gradients of its
+        micro-batches, each loss normalised by the step's total loss-token count."""
+        minibatches = self.config.ppo.minibatches if minibatches is None else minibatches
+        groups = split_into_minibatches(list(range(len(batch.micro_batches))), minibatches)
+        totals: dict[str, jax.Array] = {}
+        start: dict[str, jax.Array] = {}
+        grad_norms = []
+        for _ in range(epochs):
+            for group in groups:
+                count = jnp.float32(sum(batch.loss_tokens[i] for i in group))
+                grads = None
+                first_update = not grad_norms
+                for i in group:
+                    aux, micro_grads = grad_fn(params, i, count)
+                    grads = micro_grads if grads is None else self._programs.accumulate(grads, micro_grads)
+                    for key, value in aux.items():
+                        if key.startswith("start_"):
+                            # Start-of-step quantities: taken from the first optimizer step only
+                            # (its minibatch, i.e. the whole batch when ppo.minibatches = 1).
+                            if first_update:
+                                start[key] = start.get(key, 0.0) + value
+                        else:
+                            totals[key] = totals.get(key, 0.0) + value
+                params, opt_state, grad_norm = apply_fn(params, opt_state, grads)
+                grad_norms.append(grad_norm)
+        num_updates = len(grad_norms)
+        metrics = {f"{prefix}/{key}": value / num_updates for key, value in totals.items()}
+        metrics.update({f"{prefix}/{key}": value for key, value in start.items()})
+        metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / num_updates
+        metrics[f"{prefix}/num_updates"] = num_updates
+        return params, opt_state, metrics
+
+
+def batch_diagnostics(micro_batches, old_values, advantages, returns, old_logprobs) -> dict[str, jax.Array]:
+    """Whole-batch diagnostics before any update: explained variance of V_old against the GAE
+    returns (Eq. 19, variances merged exactly across micro-batches), value/return/advantage
+    statistics, and |Δlogp| = mask-weighted mean |trainer - sampler log-prob| (Eq. 15), all over
+    the loss rows of the whole batch."""
+
+    def moments_of(arrays):
+        return _merged(masked_moments(x, mb.action_mask) for mb, x in zip(micro_batches, arrays, strict=True))
+
+    return_moments = moments_of(returns)
+    residual_moments = moments_of([r - v for r, v in zip(returns, old_values, strict=True)])
+    advantage_moments = moments_of(advantages)
+    gap = sum(
+        logprob_gap_sum(lp, mb.sampler_logprobs, mb.action_mask)
+        for mb, lp in zip(micro_batches, old_logprobs, strict=True)
+    )
+    return {
+        "critic/explained_variance": explained_variance_from_moments(return_moments, residual_moments),
+        "critic/value_mean": moments_of(old_values).mean,
+        "advantages/return_mean": return_moments.mean,
+        "advantages/mean": advantage_moments.mean,
+        "advantages/std": jnp.sqrt(advantage_moments.variance),
+        "actor/logprob_gap": gap / jnp.maximum(return_moments.count, 1.0),
+    }
+
+
+def _merged(moments: Iterable[Moments]) -> Moments:
+    total = Moments.empty()
+    for m in moments:
+        total = total.merge(m)
+    return total
+
+
+def _batch_metrics(batch: PreparedBatch, samples) -> dict[str, float]:
+    slots = sum(mb.input_ids.shape[0] * mb.input_ids.shape[1] for mb in batch.micro_batches)
+    rows_used = sum(int(np.count_nonzero(np.asarray(mb.segment_ids))) for mb in batch.micro_batches)
+    metrics = {
+        "batch/num_micro_batches": float(len(batch.micro_batches)),
+        "batch/loss_tokens": float(batch.num_loss_tokens),
+        "batch/padding_fraction": 1.0 - rows_used / slots,
+    }
+    if not isinstance(samples, PreparedBatch):
+        audit = sum((s.audit for s in samples), start=type(samples[0].audit)())
+        metrics["tito/retokenized_positions"] = float(audit.retokenized)
+        metrics["tito/placeholder_positions"] = float(audit.placeholder)
+        metrics["tito/drift_in_loss_region"] = float(audit.drift_in_loss_region)  # must stay 0 (Eq. 11)
+        metrics["batch/num_samples"] = float(len(samples))
+        metrics["batch/sample_reward_mean"] = float(np.mean([s.reward for s in samples]))
+        metrics["batch/samples_without_loss_tokens"] = float(sum(s.num_loss_tokens == 0 for s in samples))
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------------
+# Critic warm-up (§4.5): train the critic over a task pool, keep only its weights.
+
+
+def run_critic_warmup(
+    learner: Learner,
+    batches: Iterable[Sequence[Sample]],
+    *,
+    steps: int | None = None,
+    train_actor: bool | None = None,
+    save_dir: str | Path | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> list[dict[str, float]]:
+    """Run `steps` RL steps on `batches` (rollouts of the task pool, produced by the caller),
+    training the critic and, when `train_actor`, the actor too (the paper's choice; that actor
+    is then discarded). Saves the critic's *weights only* (no optimizer moments cross runs) with
+    `t1jax.model.save_pretrained` to `save_dir`; load them with `critic_from_pretrained`.
+    `steps` and `train_actor` default to `learner.config.critic_warmup`. Returns each step's
+    metrics. Raises if `batches` runs out before `steps`.
+    """
+    steps = learner.config.critic_warmup.steps if steps is None else steps
+    train_actor = learner.config.critic_warmup.train_actor if train_actor is None else train_actor
+    history = []
+    iterator = iter(batches)
+    for index in range(steps):
+        try:
+            samples = next(iterator)
+        except StopIteration:
+            raise ValueError(f"critic warm-up: batches ran out after {index} of {steps} steps") from None
+        metrics = learner.step(samples, train_actor=train_actor)
+        history.append(metrics)
+        if on_step is not None:
+            on_step(index, metrics)
+    if save_dir is not None:
+        from t1jax.model import save_pretrained
+
+        save_pretrained(learner.critic_model(), save_dir)
+    return history
