@@ -59,9 +59,21 @@ def masked_moments(x: jax.Array, mask: jax.Array) -> Moments:
     return Moments(count, mean, m2)
 
 
+# Smallest return spread EV resolves, relative to the magnitudes of R and V (128 float32 ulps).
+_RESOLVABLE_RELATIVE_STD = 2.0**-16
+
+
 def explained_variance_from_moments(returns: Moments, residuals: Moments) -> jax.Array:
-    """EV = 1 - Var[R - V] / Var[R] (Eq. 19); NaN when Var[R] is 0 (EV is undefined then)."""
-    return jnp.where(returns.variance > 0, 1.0 - residuals.variance / returns.variance, jnp.nan)
+    """EV = 1 - Var[R - V] / Var[R] (Eq. 19); NaN when Var[R] is 0 (EV is undefined then).
+
+    "0" includes float32 rounding: GAE returns are computed as A + V, so a batch whose samples
+    all share one reward (every trial failed, say) has a return spread of a few ulps of |V|, not
+    0, and the ratio would read -1e13. A spread below `_RESOLVABLE_RELATIVE_STD` of the scale of
+    R and V counts as none."""
+    scale = jnp.square(returns.mean) + jnp.square(residuals.mean) + residuals.variance
+    resolvable = returns.variance > (_RESOLVABLE_RELATIVE_STD**2) * scale
+    safe_variance = jnp.where(resolvable, returns.variance, 1.0)
+    return jnp.where(resolvable, 1.0 - residuals.variance / safe_variance, jnp.nan)
 
 
 def explained_variance(returns: jax.Array, values: jax.Array, mask: jax.Array) -> jax.Array:

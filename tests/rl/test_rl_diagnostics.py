@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from t1jax.rl.advantages import gae_advantages
 from t1jax.rl.diagnostics import (
     Moments,
     explained_variance,
@@ -73,6 +74,30 @@ def test_ev_edge_cases():
     # EV < 0: the critic adds variance (the cold-start regime of Fig. 7).
     assert float(explained_variance(returns, -returns, mask)) == pytest.approx(-3.0)
     assert np.isnan(float(explained_variance(jnp.ones((1, 4)), jnp.zeros((1, 4)), mask)))
+
+
+@pytest.mark.parametrize("reward", [0.0, 0.1, 0.35])
+def test_ev_is_undefined_when_every_sample_has_the_same_reward(reward):
+    """GAE returns equal the reward at every action row in exact arithmetic, but float32 A + V
+    leaves a spread of a few ulps of |V|: EV must say "undefined", not -1e13."""
+    rng = np.random.default_rng(3)
+    length = 300
+    values = jnp.asarray(rng.normal(0.1, 0.2, (3, length)).astype(np.float32))
+    mask = np.zeros((3, length), np.float32)
+    mask[:, 100:130] = mask[:, 200:260] = 1  # two assistant turns per sample
+    rewards = np.zeros((3, length), np.float32)
+    rewards[:, 259] = reward
+    _, returns = gae_advantages(
+        jnp.asarray(rewards), values, jnp.asarray(mask), jnp.ones((3, length), jnp.int32)
+    )
+    assert float(np.ptp(np.asarray(returns)[mask > 0])) < 1e-6  # rounding spread only
+    assert np.isnan(float(explained_variance(returns, values, jnp.asarray(mask))))
+    # One sample with another reward makes EV defined again.
+    rewards[0, 259] = reward + 0.05
+    _, returns = gae_advantages(
+        jnp.asarray(rewards), values, jnp.asarray(mask), jnp.ones((3, length), jnp.int32)
+    )
+    assert np.isfinite(float(explained_variance(returns, values, jnp.asarray(mask))))
 
 
 def test_moments_merge_matches_numpy():
