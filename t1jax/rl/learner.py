@@ -459,10 +459,11 @@ class Learner:
         """The clipped-surrogate loss terms and its gradient for the whole batch (summed over
         micro-batches, normalised by the batch's loss-token count), without updating anything."""
         replay = self.config.ppo.routing_replay
-        count = jnp.float32(batch.num_loss_tokens)
         totals: dict[str, jax.Array] = {}
         grads = None
         with self._mesh_context():
+            # Made under the mesh, as in `step`: a scalar placed elsewhere recompiles actor_grad.
+            count = jnp.float32(batch.num_loss_tokens)
             for mb, lp, adv in zip(batch.micro_batches, old_logprobs, advantages, strict=True):
                 aux, micro_grads = self._programs.actor_grad(
                     self.state.actor_params, self._actor_rest, mb, lp, adv, count, replay
