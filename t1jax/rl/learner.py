@@ -30,8 +30,9 @@ Invariants:
 - The critic never replays routing (App. 12.4); the actor replays it in both passes, so the ratio
   compares two versions of one sub-network.
 - No KL term, no entropy bonus, no load-balancing loss (§4.4).
-- Bad input (no loss token, missing routing, an unknown or mixed generating version, shapes that
-  do not split over the mesh) raises before anything runs, leaving `Learner.state` untouched. A
+- Bad input (no loss token, missing routing, routing records the actor cannot replay (expert ids
+  out of range or repeated), an unknown or mixed generating version, shapes that do not split
+  over the mesh) raises before anything runs, leaving `Learner.state` untouched. A
   failure in the middle of the update (e.g. out of memory) can leave donated buffers behind:
   restore from the last checkpoint then.
 
@@ -57,6 +58,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from t1jax.model.moe import validate_routing_replay
 from t1jax.parallel.rules import ACT_BATCH, ACT_LENGTH, resolve_spec, state_shardings
 from t1jax.rl.advantages import gae_advantages, normalize_advantages
 from t1jax.rl.batching import TrainBatch, build_micro_batches, split_into_minibatches
@@ -272,6 +274,9 @@ class Learner:
     ):
         self.config = config
         self.mesh = mesh
+        # Replay records are checked on the host against the actor's MoE shape: inside jit the
+        # model cannot check them, and an out-of-range expert id turns the update into NaNs.
+        self._actor_config = getattr(actor, "config", None)
         self._retained: dict[int, Any] = {}  # published actor versions kept for Eq. 26
         actor_graphdef, actor_params, self._actor_rest = nnx.split(actor, nnx.Param, ...)
         critic_graphdef, critic_params, self._critic_rest = nnx.split(critic, nnx.Param, ...)
@@ -382,6 +387,7 @@ class Learner:
                 f"micro-batch rows {sorted(rows)} are not multiples of the data-parallel size "
                 f"{self.data_parallel_size}"
             )
+        self._check_routing(micro_batches)
         if self.mesh is None:
             placed = [jax.device_put(mb) for mb in micro_batches]
         else:
@@ -393,6 +399,17 @@ class Learner:
                 for mb in micro_batches
             ]
         return PreparedBatch(placed, loss_tokens, policy_version)
+
+    def _check_routing(self, micro_batches: Sequence[TrainBatch]) -> None:
+        if self._actor_config is None or not hasattr(self._actor_config, "num_experts"):
+            return
+        for index, mb in enumerate(micro_batches):
+            if mb.routing is None:
+                continue
+            try:
+                validate_routing_replay(mb.routing, self._actor_config, tuple(mb.input_ids.shape))
+            except ValueError as error:
+                raise ValueError(f"micro-batch {index}: {error}") from None
 
     def prepare(self, samples: Sequence[Sample]) -> PreparedBatch:
         """Samples -> device micro-batches (see `t1jax.rl.batching`)."""

@@ -444,6 +444,8 @@ def test_old_logprobs_come_from_the_version_that_generated_the_batch(models, rl_
 
 
 def test_bad_batches_are_rejected_before_any_update(models, rl_config, samples):
+    import dataclasses
+
     learner = Learner(*models, rl_config)
     step_before = int(learner.state.step)
     no_loss = [
@@ -457,4 +459,10 @@ def test_bad_batches_are_rejected_before_any_update(models, rl_config, samples):
     ]
     with pytest.raises(ValueError, match="routing_replay is on but the batch carries no routing"):
         learner.step(no_routing)
+    # Records naming experts the actor does not have (here positions, as a sampler double writes
+    # them) would make the replayed update NaN inside jit, where nothing can raise.
+    out_of_range = [dataclasses.replace(s, routing=s.routing + 8) for s in samples]
+    with pytest.raises(ValueError, match=r"micro-batch 0: routing_replay holds expert id \d+"):
+        learner.step(out_of_range)
     assert int(learner.state.step) == step_before
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(learner.state.actor_params))
