@@ -24,7 +24,8 @@ from t1jax.model.hf_io import (
     read_checkpoint_index,
     save_pretrained,
 )
-from t1jax.model.moe import route, routed_experts, validate_routing_replay
+from t1jax.model.moe import NO_RECORD, route, routed_experts, validate_routing_replay
+from t1jax.model.params import abstract_params
 from t1jax.model.transformer import (
     BackboneOutput,
     CausalLMOutput,
@@ -34,6 +35,7 @@ from t1jax.model.transformer import (
 )
 
 __all__ = [
+    "NO_RECORD",
     "AttentionLayerCache",
     "BackboneOutput",
     "CausalLMOutput",
@@ -44,6 +46,7 @@ __all__ = [
     "Qwen35MoeForCausalLM",
     "Qwen35MoeModel",
     "RopeParameters",
+    "abstract_params",
     "check_checkpoint",
     "critic_from_pretrained",
     "from_pretrained",

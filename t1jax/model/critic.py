@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from t1jax.model.config import Qwen35MoeConfig
-from t1jax.model.params import make_param, normal, zeros
+from t1jax.model.params import abstract_params, make_param, normal, zeros
 from t1jax.model.transformer import BackboneOutput, Qwen35MoeForCausalLM, Qwen35MoeModel
 from t1jax.parallel.rules import EMBED
 
@@ -61,7 +61,8 @@ class Qwen35MoeCritic(nnx.Module):
     def from_actor(cls, actor: Qwen35MoeForCausalLM, *, rngs: nnx.Rngs | None = None) -> Qwen35MoeCritic:
         """A critic whose backbone is a copy of the actor's (same dtypes), with a fresh value head."""
         param_dtype = actor.model.embed_tokens[...].dtype
-        critic = nnx.eval_shape(lambda: cls(actor.config, dtype=actor.dtype, param_dtype=param_dtype))
+        with abstract_params():  # the backbone is replaced below; never allocate a second one
+            critic = cls(actor.config, dtype=actor.dtype, param_dtype=param_dtype)
         rngs = nnx.Rngs(0) if rngs is None else rngs
         critic.model = nnx.clone(actor.model)
         critic.value_head = ValueHead(

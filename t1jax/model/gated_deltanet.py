@@ -139,15 +139,16 @@ class GatedDeltaNet(nnx.Module):
         new_len = x.shape[1]
         is_real = (jnp.arange(new_len, dtype=jnp.int32)[None, :] < valid_lengths[:, None]).astype(jnp.int32)
         qkv, z, beta, g = self._project(x)
-        conv_out, _ = causal_conv1d(
+        # final_state: the K-1 inputs up to each row's last real token (unchanged for a row with
+        # no real token), i.e. the conv cache the next call continues from.
+        conv_out, new_conv_state = causal_conv1d(
             qkv, self._conv_weight(), initial_state=conv_state.astype(qkv.dtype), segment_ids=is_real
         )
         q, k, v = self._split_heads(conv_out)
         core, recurrent_state = chunk_gated_delta_rule(
             q, k, v, g, beta, initial_state=recurrent_state, segment_ids=is_real
         )
-        conv_state = _last_inputs(conv_state.astype(qkv.dtype), qkv, valid_lengths).astype(conv_state.dtype)
-        return self._output(core, z), conv_state, recurrent_state
+        return self._output(core, z), new_conv_state.astype(conv_state.dtype), recurrent_state
 
     def step(
         self, x: jax.Array, conv_state: jax.Array, recurrent_state: jax.Array
@@ -158,15 +159,3 @@ class GatedDeltaNet(nnx.Module):
         q, k, v = self._split_heads(conv_out)
         core, new_recurrent_state = gated_delta_rule_step(q, k, v, g, beta, recurrent_state)
         return self._output(core, z), new_conv_state.astype(conv_state.dtype), new_recurrent_state
-
-
-def _last_inputs(conv_state: jax.Array, new_inputs: jax.Array, valid_lengths: jax.Array) -> jax.Array:
-    """The K-1 most recent real conv inputs per row: rows [n, n + K-1) of [conv_state; new_inputs]
-    where n = valid_lengths (so n = 0 leaves the state as it was)."""
-    window = conv_state.shape[1]
-    history = jnp.concatenate([conv_state, new_inputs], axis=1)
-
-    def one_row(row, start):
-        return jax.lax.dynamic_slice_in_dim(row, start, window, axis=0)
-
-    return jax.vmap(one_row)(history, valid_lengths)

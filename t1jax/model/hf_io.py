@@ -518,7 +518,10 @@ def load_state(
 
 
 def _abstract(build: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(build))
+    from t1jax.model.params import abstract_params
+
+    with abstract_params():
+        return nnx.split(build())
 
 
 def from_pretrained(

@@ -4,7 +4,8 @@ Owns two pure functions and the module that wires them:
 
 - `route(router_logits, top_k, replay_ids=None) -> (expert_ids, gate_weights)`.
   free:   expert_ids = top-k of the live logits.
-  replay: expert_ids = the given ids (paper §4.3, Eq. 12).
+  replay: expert_ids = the given ids (paper §4.3, Eq. 12); a token whose k ids are all
+          `NO_RECORD` (-1) has no record (padding, a sample's last token) and routes freely.
   In both modes gate_weights = softmax of the *live* logits restricted to expert_ids, i.e.
   exp(s_e) / sum_{e' in ids} exp(s_e'); this equals transformers' "softmax over all experts, take
   top-k, renormalise". The ids never carry gradient (top-k is not differentiable and replayed ids
@@ -32,20 +33,24 @@ from t1jax.model.hooks import active_hooks
 from t1jax.model.params import make_param, normal
 from t1jax.parallel.rules import EMBED, EXPERT, EXPERT_MLP, MLP, ROUTER
 
+NO_RECORD = -1  # replay value for a token without a routing record: route it freely
+
 
 def route(
     router_logits: jax.Array, top_k: int, replay_ids: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """router_logits float [N, E]; replay_ids int [N, k] or None.
 
-    Returns expert_ids int32 [N, k] and gate_weights float32 [N, k] summing to 1 per token.
-    Replay ids are trusted here (validated on the host before jit, see `validate_routing_replay`).
+    Returns expert_ids int32 [N, k] (the experts used) and gate_weights float32 [N, k] summing to 1
+    per token. Replay ids are trusted here (validated on the host before jit, see
+    `validate_routing_replay`); rows of NO_RECORD take the free choice.
     """
     logits = router_logits.astype(jnp.float32)
-    if replay_ids is None:
-        _, expert_ids = jax.lax.top_k(jax.lax.stop_gradient(logits), top_k)
-    else:
-        expert_ids = replay_ids
+    _, expert_ids = jax.lax.top_k(jax.lax.stop_gradient(logits), top_k)
+    if replay_ids is not None:
+        replay_ids = replay_ids.astype(jnp.int32)
+        has_record = replay_ids[:, :1] != NO_RECORD
+        expert_ids = jnp.where(has_record, replay_ids, expert_ids)
     expert_ids = jax.lax.stop_gradient(expert_ids.astype(jnp.int32))
     chosen_logits = jnp.take_along_axis(logits, expert_ids, axis=-1)
     return expert_ids, jax.nn.softmax(chosen_logits, axis=-1)
@@ -149,8 +154,9 @@ def validate_routing_replay(
     """Check a replay array before it reaches jit; return it as int32.
 
     Expected: integer [B, T, num_hidden_layers, num_experts_per_tok] with ids in [0, num_experts)
-    and no id repeated within one (token, layer). Shape and dtype are always checked; values are
-    checked when the array is concrete (on the host), since a traced array cannot raise.
+    and no id repeated within one (token, layer), or all k entries NO_RECORD (-1) for a token and
+    layer without a record (routed freely). Shape and dtype are always checked; values are checked
+    when the array is concrete (on the host), since a traced array cannot raise.
     """
     import numpy as np
 
@@ -167,7 +173,16 @@ def validate_routing_replay(
     if isinstance(routing_replay, jax.core.Tracer):
         return routing_replay.astype(jnp.int32)
     ids = np.asarray(routing_replay)
-    bad = (ids < 0) | (ids >= config.num_experts)
+    no_record = ids == NO_RECORD
+    partial = no_record.any(axis=-1) & ~no_record.all(axis=-1)
+    if partial.any():
+        batch, pos, layer = (int(i) for i in np.argwhere(partial)[0])
+        raise ValueError(
+            f"routing_replay mixes {NO_RECORD} (no record) with expert ids at layer {layer} (batch row "
+            f"{batch}, position {pos}): {ids[batch, pos, layer].tolist()}; mark a missing record with "
+            f"{NO_RECORD} in all {config.num_experts_per_tok} slots"
+        )
+    bad = ((ids < 0) | (ids >= config.num_experts)) & ~no_record
     if bad.any():
         batch, pos, layer, slot = (int(i) for i in np.argwhere(bad)[0])
         raise ValueError(
@@ -175,7 +190,7 @@ def validate_routing_replay(
             f"(batch row {batch}, position {pos}, slot {slot}); ids must lie in [0, {config.num_experts})"
         )
     sorted_ids = np.sort(ids, axis=-1)
-    repeated = (sorted_ids[..., 1:] == sorted_ids[..., :-1]).any(axis=-1)
+    repeated = (sorted_ids[..., 1:] == sorted_ids[..., :-1]).any(axis=-1) & ~no_record.all(axis=-1)
     if repeated.any():
         batch, pos, layer = (int(i) for i in np.argwhere(repeated)[0])
         raise ValueError(

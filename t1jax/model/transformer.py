@@ -8,13 +8,15 @@ the backbone `Qwen35MoeModel` (embedding, layers, final norm), the causal LM
   over packed rows. `segment_ids` int32 [B, T] (0 = padding, >= 1 = document id; documents are
   contiguous); `positions` default to each token's index within its document. With
   `routing_replay` int32 [B, T, L, k] every MoE layer uses the given experts (router mode
-  "replay"), otherwise it picks the top-k of its live scores ("free").
+  "replay"), otherwise it picks the top-k of its live scores ("free"). A (token, layer) whose k
+  replay entries are all -1 (`moe.NO_RECORD`: padding, a sample's last token) routes freely.
 - `model.extend(input_ids, cache, valid_lengths=None)`: chunked prefill; appends T tokens per
   row (the first valid_lengths[b] real, right padding after) to a `DecodeCache`.
 - `model.decode_step(token_ids, cache, active=None)`: one token per row with the recurrent forms.
 
 Every form returns the experts it used per token and layer, `routing` int32 [B, T, L, k] (L =
-num_hidden_layers: every Qwen3.5 layer is MoE); in replay mode that is the replay array itself.
+num_hidden_layers: every Qwen3.5 layer is MoE); in replay mode that is the replay array itself
+(with the free choice where it held -1).
 Rows of padding carry garbage logits and routing.
 
 Parameter names (state paths) follow transformers' module names, e.g.

@@ -7,6 +7,7 @@ from t1jax.parallel.rules import (
     logical_axes,
     make_mesh,
     resolve_spec,
+    shard_state,
     state_shardings,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "logical_axes",
     "make_mesh",
     "resolve_spec",
+    "shard_state",
     "state_shardings",
 ]

@@ -179,3 +179,8 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: LogicalRules = DEFAULT_
         return variable.replace(NamedSharding(mesh, spec))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_state(state: nnx.State, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> nnx.State:
+    """`state` placed on `mesh` by its logical axis names."""
+    return jax.device_put(state, state_shardings(state, mesh, rules))

@@ -60,3 +60,22 @@ def hf_text_config(config):
     return Qwen3_5MoeTextConfig(
         **{k: v for k, v in config.to_hf_dict().items() if k not in ("architectures", "model_type")}
     )
+
+
+@functools.cache
+def _jitted_critic(graphdef):
+    @jax.jit
+    def run(state, input_ids, segment_ids):
+        critic = nnx.merge(graphdef, state)
+        hidden = critic.backbone(input_ids, segment_ids=segment_ids).hidden_states
+        return hidden, critic.value_head(hidden)
+
+    return run
+
+
+def critic_forward(critic, input_ids, segment_ids):
+    """(final hidden states, values) of a critic under jit."""
+    graphdef, state = nnx.split(critic)
+    return _jitted_critic(graphdef)(
+        state, jnp.asarray(input_ids, jnp.int32), jnp.asarray(segment_ids, jnp.int32)
+    )
