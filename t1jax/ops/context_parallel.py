@@ -22,25 +22,36 @@ Across chunks the state map is affine, S' = M S + N, so a shard could fold its c
 (M, N) (dk x dk and dk x dv per head) and the shards could combine them with log2(D) ``ppermute``
 rounds (or one all-gather). That is exact math but not exact floating point: the combination
 re-associates the sums, so the state entering shard s differs from the single-device scan in the
-last bits, and it costs an extra dk x dk x C matmul per chunk to build M. We relay instead:
+last bits, and it costs an extra dk x dk x C matmul per chunk to build M (plus a second pass over
+the chunks from the combined state). We relay instead:
 
-  * the state-independent work (``intra_chunk_terms``: the triangular solve, Q K^T, decays, about
+  * the state-independent work (``intra_chunk_terms``: the triangular inverse, Q K^T, decays, about
     all of the FLOPs and all of the O(T) activations) runs on every shard at once;
-  * the sequential ``inter_chunk_scan`` runs shard after shard: in round r shard r scans its own
-    chunks from the state it received (exactly the state the single-device scan holds at that chunk
-    edge, computed by the same ``chunk_step``) and ``ppermute``s its final state to shard r + 1.
+  * the sequential ``inter_chunk_scan`` is relayed: shard r scans its own chunks from the state it
+    received (exactly the state the single-device scan holds at that chunk edge, computed by the
+    same ``chunk_step``) and ``ppermute``s its final state to shard r + 1.
 
-Communication: D - 1 forward rounds of one [B, H, dk, dv] state, D - 1 backward rounds of its
-cotangent, one ppermute of the [B] boundary segment ids, one psum to broadcast the final state.
-Latency of the scan part equals the single-device scan (it is inherently sequential to be exact);
-the intra-chunk part and all activations divide by D.
+The relay is a wavefront over G head groups (``pipeline_groups``; heads never interact): shard r
+scans head group j at step r + j and passes that group's state on, so while shard 1 scans group 0,
+shard 0 already scans group 1. That takes D + G - 1 steps of 1/G of a shard's scan instead of D
+full ones (G = D: about 2x a shard's scan instead of Dx). Bit-exactness then also needs each head's
+arithmetic to be the same whatever heads share its batched matmul: true on XLA:CPU (tested for
+G = 1, 2, 8); on a backend where it is not, ``pipeline_groups=1`` is the plain relay.
+
+Communication: D + G - 1 forward ``ppermute`` steps of one [B, H/G, dk, dv] group state (in total
+each shard sends its [B, H, dk, dv] final state once), the same backward for the cotangent, one
+ppermute of the [B] boundary segment ids, one psum to broadcast the final state. The intra-chunk
+part and all activations divide by D; the scan part is sequential by nature when it must be exact.
 
 Memory: a ``custom_vjp`` keeps, per shard, only the chunk terms of its own T/D tokens and the
-[B, H, dk, dv] state it received; the backward relay (reverse order, cotangent of the state flowing
-shard r -> r - 1) re-runs the shard's local scan under ``jax.vjp`` when its turn comes, so per-chunk
-states are rematerialised locally and never stored for the whole sequence. Without it, autodiff of
-the relay loop would keep every round's scan residuals (D x T/D = T per device), and activation
-memory would not fall with D. ``bench/cp_scan.py`` measures the ratio.
+[B, H, dk, dv] state it received; the backward wavefront (reverse order, cotangent of the state
+flowing shard r -> r - 1) re-runs the shard's local scan of one head group under ``jax.vjp`` when
+its turn comes, so per-chunk states are rematerialised locally and never stored for the whole
+sequence. Without it, autodiff of the relay loop would keep every step's scan residuals (D x T/D = T
+per device), and activation memory would not fall with D. ``bench/cp_scan.py`` measures it: per
+device temp memory of forward + backward at T = 8192 (H = 4, dk = dv = 64) is 0.54 / 0.24 / 0.12
+of degree 1 for D = 2 / 4 / 8 with the default head groups, 0.46 / 0.23 / 0.12 with G = 1 (the
+slice of one head group adds 1/G of the chunk terms).
 
 Relayout
 --------
@@ -139,65 +150,124 @@ def _from_shard(x, shard, axis_name):
 # --------------------------------------------------------------------------------------------------
 
 
-def _relay_forward(terms, state0, axis_name, precision):
+def _head_slice(x, start, width, axis):
+    return lax.dynamic_slice_in_dim(x, start, width, axis)
+
+
+def _head_update(x, update, start, axis):
+    return lax.dynamic_update_slice_in_dim(x, update, start, axis)
+
+
+def _group_terms(terms, start, width):
+    """The chunk terms of heads [start, start + width) (the head axis of every field is axis 2)."""
+    return jax.tree.map(lambda x: _head_slice(x, start, width, 2), terms)
+
+
+def _relay_forward(terms, state0, axis_name, precision, groups):
+    """Wavefront relay: shard r scans head group j at step r + j, then hands that group's final state
+    to shard r + 1, which scans the same group at the next step. D + G - 1 steps."""
     size = lax.axis_size(axis_name)
     index = lax.axis_index(axis_name)
-    out_shape = terms.u.shape  # [N, B, H, C, dv]: the outputs have the value shape of u
+    width = state0.shape[1] // groups
+    idle_send = _varying_like(jnp.zeros_like(state0[:, :width]), (terms, state0, index))
 
-    def run_round(round_index, carry):
+    def run_step(step, carry):
         incoming, out, final = carry
-        out, final = lax.cond(
-            index == round_index,
-            lambda: inter_chunk_scan(terms, incoming, precision),
-            lambda: (out, final),
+        group = step - index
+        start = jnp.clip(group, 0, groups - 1) * width
+
+        def scan_group():
+            group_out, group_final = inter_chunk_scan(
+                _group_terms(terms, start, width), _head_slice(incoming, start, width, 1), precision
+            )
+            return (
+                _head_update(out, group_out, start, 2),
+                _head_update(final, group_final, start, 1),
+                group_final,
+            )
+
+        out, final, finished = lax.cond(
+            (group >= 0) & (group < groups),
+            scan_group,
+            lambda: (out, final, idle_send),
         )
-        received = _shift(final, axis_name, size, 1)
-        incoming = jnp.where(index == round_index + 1, received, incoming)
+        received = _shift(finished, axis_name, size, 1)
+        # What arrives from shard index - 1 is the group this shard scans at the next step.
+        arriving = group + 1
+        arriving_start = jnp.clip(arriving, 0, groups - 1) * width
+        incoming = jnp.where(
+            (index > 0) & (arriving >= 0) & (arriving < groups),
+            _head_update(incoming, received, arriving_start, 1),
+            incoming,
+        )
         return incoming, out, final
 
-    carry = (state0, jnp.zeros(out_shape, jnp.float32), jnp.zeros_like(state0))
-    carry = _varying_like(carry, (terms, state0, lax.axis_index(axis_name)))
-    incoming, out, final = lax.fori_loop(0, size, run_round, carry)
+    carry = (state0, jnp.zeros(terms.u.shape, jnp.float32), jnp.zeros_like(state0))
+    carry = _varying_like(carry, (terms, state0, index))
+    incoming, out, final = lax.fori_loop(0, size + groups - 1, run_step, carry)
     return out, final, incoming
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _relay_scan(terms, state0, axis_name, precision):
-    out, final, _ = _relay_forward(terms, state0, axis_name, precision)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _relay_scan(terms, state0, axis_name, precision, groups):
+    out, final, _ = _relay_forward(terms, state0, axis_name, precision, groups)
     return out, final
 
 
-def _relay_scan_fwd(terms, state0, axis_name, precision):
-    out, final, incoming = _relay_forward(terms, state0, axis_name, precision)
+def _relay_scan_fwd(terms, state0, axis_name, precision, groups):
+    out, final, incoming = _relay_forward(terms, state0, axis_name, precision, groups)
     return (out, final), (terms, incoming)
 
 
-def _relay_scan_bwd(axis_name, precision, residuals, cotangents):
+def _relay_scan_bwd(axis_name, precision, groups, residuals, cotangents):
+    """The same wavefront in reverse: shard r back-propagates head group j at step (D - 1 - r) + j
+    (re-running its local scan under ``jax.vjp``) and hands the group's incoming-state cotangent
+    to shard r - 1."""
     terms, incoming = residuals
     d_out, d_final = cotangents
     size = lax.axis_size(axis_name)
     index = lax.axis_index(axis_name)
+    width = incoming.shape[1] // groups
+    every_input = (terms, incoming, d_out, d_final, index)
+    idle_send = _varying_like(jnp.zeros_like(incoming[:, :width]), every_input)
 
-    def local_vjp(d_state_out):
-        _, pullback = jax.vjp(lambda t, s: inter_chunk_scan(t, s, precision), terms, incoming)
-        return pullback((d_out, d_state_out))
-
-    def run_round(step, carry):
-        round_index = size - 1 - step
+    def run_step(step, carry):
         d_state_out, d_terms, d_incoming = carry
-        d_terms, d_incoming = lax.cond(
-            index == round_index,
-            lambda: local_vjp(d_state_out),
-            lambda: (d_terms, d_incoming),
+        group = step - (size - 1 - index)
+        start = jnp.clip(group, 0, groups - 1) * width
+
+        def backprop_group():
+            _, pullback = jax.vjp(
+                lambda t, s: inter_chunk_scan(t, s, precision),
+                _group_terms(terms, start, width),
+                _head_slice(incoming, start, width, 1),
+            )
+            d_group_terms, d_group_incoming = pullback(
+                (_head_slice(d_out, start, width, 2), _head_slice(d_state_out, start, width, 1))
+            )
+            d_terms_new = jax.tree.map(lambda acc, d: _head_update(acc, d, start, 2), d_terms, d_group_terms)
+            return d_terms_new, _head_update(d_incoming, d_group_incoming, start, 1), d_group_incoming
+
+        d_terms, d_incoming, finished = lax.cond(
+            (group >= 0) & (group < groups),
+            backprop_group,
+            lambda: (d_terms, d_incoming, idle_send),
         )
-        received = _shift(d_incoming, axis_name, size, -1)
-        d_state_out = jnp.where(index == round_index - 1, d_state_out + received, d_state_out)
+        received = _shift(finished, axis_name, size, -1)
+        arriving = group + 1
+        arriving_start = jnp.clip(arriving, 0, groups - 1) * width
+        accumulated = _head_slice(d_state_out, arriving_start, width, 1) + received
+        d_state_out = jnp.where(
+            (index < size - 1) & (arriving >= 0) & (arriving < groups),
+            _head_update(d_state_out, accumulated, arriving_start, 1),
+            d_state_out,
+        )
         return d_state_out, d_terms, d_incoming
 
     zeros_terms = jax.tree.map(jnp.zeros_like, terms)
     carry = (d_final, zeros_terms, jnp.zeros_like(incoming))
-    carry = _varying_like(carry, (terms, incoming, d_out, d_final, lax.axis_index(axis_name)))
-    _, d_terms, d_incoming = lax.fori_loop(0, size, run_round, carry)
+    carry = _varying_like(carry, every_input)
+    _, d_terms, d_incoming = lax.fori_loop(0, size + groups - 1, run_step, carry)
     # Only shard 0 read state0; the replicated input's cotangent is summed over shards by shard_map.
     d_state0 = jnp.where(index == 0, d_incoming, 0.0)
     return d_terms, d_state0
@@ -216,8 +286,24 @@ def _previous_shard_tail(x, axis_name, width):
     return _shift(x[:, x.shape[1] - width :], axis_name, lax.axis_size(axis_name), 1)
 
 
+def _default_pipeline_groups(heads, degree):
+    """The largest divisor of ``heads`` not above ``degree`` (D groups fill the wavefront)."""
+    return max(d for d in range(1, min(heads, degree) + 1) if heads % d == 0)
+
+
 def gated_delta_rule_shard(
-    q, k, v, g, beta, *, axis_name, chunk_size=64, initial_state=None, segment_ids=None, precision=_HIGHEST
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    axis_name,
+    chunk_size=64,
+    initial_state=None,
+    segment_ids=None,
+    pipeline_groups=None,
+    precision=_HIGHEST,
 ):
     """Per-shard body of the context-parallel chunked gated delta rule (call inside shard_map).
 
@@ -235,6 +321,9 @@ def gated_delta_rule_shard(
         )
     size = lax.axis_size(axis_name)
     index = lax.axis_index(axis_name)
+    groups = _default_pipeline_groups(heads, size) if pipeline_groups is None else pipeline_groups
+    if groups < 1 or heads % groups:
+        raise ValueError(f"pipeline_groups must divide the {heads} heads, got {groups}")
     previous_id = None
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
@@ -248,7 +337,7 @@ def gated_delta_rule_shard(
         state0 = initial_state.astype(jnp.float32)
     terms = intra_chunk_terms(q, k, v, g, beta, valid, starts, chunk_size=chunk_size, precision=precision)
     state0 = _varying_like(state0, (terms, lax.axis_index(axis_name)))
-    out, final = _relay_scan(terms, state0, axis_name, precision)
+    out, final = _relay_scan(terms, state0, axis_name, precision, groups)
     out = jnp.where(valid[..., None, None], _from_chunks(out), 0.0)
     return out, _from_shard(final, size - 1, axis_name)
 
@@ -338,6 +427,7 @@ def context_parallel_gated_delta_rule(
     segment_ids=None,
     batch_axis=None,
     head_axis=None,
+    pipeline_groups=None,
     precision=_HIGHEST,
 ):
     """``chunk_gated_delta_rule`` with T sharded contiguously over ``mesh`` axis ``axis_name``.
@@ -372,7 +462,7 @@ def context_parallel_gated_delta_rule(
         ids = rest.pop(0) if has_ids else None
         return gated_delta_rule_shard(
             q, k, v, g, beta, axis_name=axis_name, chunk_size=chunk_size, initial_state=state,
-            segment_ids=ids, precision=precision,
+            segment_ids=ids, pipeline_groups=pipeline_groups, precision=precision,
         )
 
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=(token, state_spec))(

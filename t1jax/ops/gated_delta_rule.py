@@ -31,9 +31,15 @@ log-decay c_i = g_0 + ... + g_i and ``doc_i`` = number of document starts in [0,
 
 A document start inside a chunk thus cuts every path from an earlier position (or the incoming
 state) to a later one; several starts per chunk, or one on a chunk edge, need nothing special.
-``A`` is applied with ``solve_triangular`` (one XLA TriangularSolve op with both right-hand sides
-stacked), as transformers does on its default path; its forward-substitution fallback is a C-step
-sequential loop and would serialise the chunk on an accelerator.
+
+``A`` is formed explicitly by recursive block inversion (``unit_lower_triangular_inverse``): with
+the diagonal blocks of a unit lower triangular matrix already inverted, [[P, 0], [R, Q]]^-1 =
+[[P^-1, 0], [-Q^-1 R P^-1, Q^-1]], doubling the block size log2(C) times, only batched matmuls, and a
+``custom_vjp`` (dM = -A^T dA A^T, strictly lower part) so the backward keeps A alone. Not
+``jax.scipy.linalg.solve_triangular``: on CPU it is a LAPACK custom call that fans its batch out
+onto XLA's intra-op Eigen pool from inside that pool and blocks; with several (fake) CPU devices
+solving at once every pool worker ends up blocked and the process deadlocks (seen with 8 devices on
+a loaded 2-core host). Not transformers' row-by-row forward substitution either: C dependent steps.
 
 Everything is computed in float32 whatever the input dtype, and every contraction asks for
 ``Precision.HIGHEST`` so that TPUs do not silently drop f32 matmuls to one bf16 pass.
@@ -46,6 +52,7 @@ sequential scan over chunks, a ``lax.scan`` of ``chunk_step``).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -62,6 +69,7 @@ __all__ = [
     "intra_chunk_terms",
     "recurrent_gated_delta_rule",
     "segment_flags",
+    "unit_lower_triangular_inverse",
 ]
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -199,6 +207,56 @@ def _from_chunks(x):
     return jnp.moveaxis(x, 0, 1).transpose(0, 1, 3, 2, 4).reshape(batch, n * chunk, heads, dv)
 
 
+def _block_diagonal(matrix, block):
+    """[..., n, n] -> [..., n // block, block, block]: the diagonal blocks."""
+    n = matrix.shape[-1]
+    tiles = matrix.reshape(matrix.shape[:-2] + (n // block, block, n // block, block))
+    return jnp.einsum("...aiaj->...aij", tiles)
+
+
+def _unit_lower_inverse_forward(matrix, precision):
+    size = matrix.shape[-1]
+    padded = 1 << max(size - 1, 0).bit_length()  # next power of two; padding is identity
+    strict = jnp.tril(matrix, -1)
+    if padded != size:
+        pad = [(0, 0)] * (matrix.ndim - 2) + [(0, padded - size)] * 2
+        strict = jnp.pad(strict, pad)
+    unit = strict + jnp.eye(padded, dtype=matrix.dtype)
+    inverse_blocks = jnp.ones(matrix.shape[:-2] + (padded, 1, 1), matrix.dtype)
+    block = 1
+    while block < padded:
+        lower_left = _block_diagonal(unit, 2 * block)[..., block:, :block]
+        upper_inv, lower_inv = inverse_blocks[..., 0::2, :, :], inverse_blocks[..., 1::2, :, :]
+        coupling = -jnp.einsum(
+            "...ij,...jk,...kl->...il", lower_inv, lower_left, upper_inv, precision=precision
+        )
+        top = jnp.concatenate([upper_inv, jnp.zeros_like(upper_inv)], axis=-1)
+        bottom = jnp.concatenate([coupling, lower_inv], axis=-1)
+        inverse_blocks = jnp.concatenate([top, bottom], axis=-2)
+        block *= 2
+    return inverse_blocks[..., 0, :size, :size]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def unit_lower_triangular_inverse(matrix, precision=_HIGHEST):
+    """(I + strict_tril(matrix))^-1 over the last two axes (the diagonal and upper triangle of
+    ``matrix`` are ignored, as LAPACK's unit-diagonal solve does)."""
+    return _unit_lower_inverse_forward(matrix, precision)
+
+
+def _unit_lower_inverse_fwd(matrix, precision):
+    inverse = _unit_lower_inverse_forward(matrix, precision)
+    return inverse, inverse
+
+
+def _unit_lower_inverse_bwd(precision, inverse, cotangent):
+    grad = -jnp.einsum("...ji,...jk,...lk->...il", inverse, cotangent, inverse, precision=precision)
+    return (jnp.tril(grad, -1),)
+
+
+unit_lower_triangular_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
+
+
 def intra_chunk_terms(q, k, v, g, beta, valid, starts, *, chunk_size, precision=_HIGHEST):
     """The state-independent work of the chunked form, for T a multiple of ``chunk_size``.
 
@@ -223,7 +281,8 @@ def intra_chunk_terms(q, k, v, g, beta, valid, starts, *, chunk_size, precision=
     # The solve reads only the strict lower triangle (unit diagonal), as transformers' unitriangular.
     ut_system = jnp.einsum("...ik,...jk->...ij", k_beta, k, precision=precision) * pair_decay
     rhs = jnp.concatenate([v_beta, k_beta * from_start[..., None]], axis=-1)
-    solved = jax.scipy.linalg.solve_triangular(ut_system, rhs, lower=True, unit_diagonal=True)
+    inverse = unit_lower_triangular_inverse(ut_system, precision)
+    solved = jnp.einsum("...ij,...jd->...id", inverse, rhs, precision=precision)
     dv = v.shape[-1]
     intra = jnp.einsum("...ik,...jk->...ij", q, k, precision=precision) * pair_decay
     return ChunkTerms(

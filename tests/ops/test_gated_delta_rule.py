@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from t1jax.ops import chunk_gated_delta_rule, gated_delta_rule_step, recurrent_gated_delta_rule
+from t1jax.ops.gated_delta_rule import unit_lower_triangular_inverse
 from tests.ops.gdr_inputs import random_gdr_inputs, random_state, segments_from_lengths
 from tests.ops.naive_reference import naive_gated_delta_rule
 
@@ -73,23 +74,37 @@ def test_packed_segments_match_naive(chunk_size):
 
 
 def test_packed_row_equals_each_document_alone():
+    """Every document of the packed rows, run alone (right-padded to the same length so that one
+    compiled function serves all), gives the same outputs; the packed final state is the last
+    document's."""
     q, k, v, g, beta = _inputs(5, 2, PACKED_T)
     state = random_state(6, 2, HEADS, DK, DV)
     out, final = _chunk_fn(8)(q, k, v, g, beta, initial_state=state, segment_ids=PACKED)
+    alone_rows, alone_states, spans = [], [], []
     for row in range(2):
         ids = PACKED[row]
         starts = [0] + [t for t in range(1, PACKED_T) if ids[t] != ids[t - 1]]
-        ends = starts[1:] + [PACKED_T]
-        last_real_state = None
-        for start, end in zip(starts, ends, strict=True):
+        for start, end in zip(starts, starts[1:] + [PACKED_T], strict=True):
             if ids[start] == 0:
                 continue
-            piece = [x[row : row + 1, start:end] for x in (q, k, v, g, beta)]
-            alone_state = state[row : row + 1] if start == 0 else None
-            alone_out, alone_final = _chunk_fn(8)(*piece, initial_state=alone_state)
-            np.testing.assert_allclose(out[row, start:end], alone_out[0], **TOL)
-            last_real_state = alone_final[0]
-        np.testing.assert_allclose(final[row], last_real_state, **TOL)
+            shifted = [np.zeros_like(x[row]) for x in (q, k, v, g, beta)]
+            for piece, x in zip(shifted, (q, k, v, g, beta), strict=True):
+                piece[: end - start] = x[row, start:end]
+            alone_rows.append(shifted)
+            alone_states.append(state[row] if start == 0 else np.zeros_like(state[row]))
+            spans.append((row, start, end))
+    alone_ids = np.zeros((len(spans), PACKED_T), np.int32)
+    for i, (_, start, end) in enumerate(spans):
+        alone_ids[i, : end - start] = 1
+    batched = [np.stack(parts) for parts in zip(*alone_rows, strict=True)]
+    alone_out, alone_final = _chunk_fn(8)(
+        *batched, initial_state=np.stack(alone_states), segment_ids=alone_ids
+    )
+    for i, (row, start, end) in enumerate(spans):
+        np.testing.assert_allclose(out[row, start:end], alone_out[i, : end - start], **TOL)
+    for row in range(2):
+        last = max(i for i, span in enumerate(spans) if span[0] == row)
+        np.testing.assert_allclose(final[row], alone_final[last], **TOL)
 
 
 def test_garbage_in_padding_never_leaks():
@@ -133,21 +148,20 @@ def test_step_by_step_equals_recurrent():
 
 def test_final_state_with_right_padding_is_state_after_last_real_token():
     q, k, v, g, beta = _inputs(12, 2, 30)
-    real = [19, 30]
-    ids = segments_from_lengths([[(1, real[0])], [(1, real[1])]], 30)
+    ids = segments_from_lengths([[(1, 19)], [(1, 30)]], 30)
     _, final = _chunk_fn(8)(q, k, v, g, beta, segment_ids=ids)
-    for row, n in enumerate(real):
-        piece = [x[row : row + 1, :n] for x in (q, k, v, g, beta)]
-        _, alone_final = _chunk_fn(8)(*piece)
-        np.testing.assert_allclose(final[row], alone_final[0], **TOL)
+    _, unpadded_final = _chunk_fn(8)(*(x[:, :19] for x in (q, k, v, g, beta)))
+    _, full_final = _chunk_fn(8)(q, k, v, g, beta)
+    np.testing.assert_allclose(final[0], unpadded_final[0], **TOL)
+    np.testing.assert_allclose(final[1], full_final[1], **TOL)
 
 
-@pytest.mark.parametrize("split", [16, 21])
-def test_prefill_then_continue_equals_one_pass(split):
+def test_prefill_then_continue_equals_one_pass():
     """Chunked prefill of x[:a], then chunked or recurrent continuation from its final state."""
     q, k, v, g, beta = _inputs(13, 2, 40)
     state = random_state(14, 2, HEADS, DK, DV)
     full_out, full_final = _chunk_fn(8)(q, k, v, g, beta, initial_state=state)
+    split = 21  # not a multiple of the chunk: the continuation starts mid-chunk
     head = [x[:, :split] for x in (q, k, v, g, beta)]
     tail = [x[:, split:] for x in (q, k, v, g, beta)]
     head_out, head_final = _chunk_fn(8)(*head, initial_state=state)
@@ -171,11 +185,10 @@ def _loss(fn, q, k, v, g, beta, state, segment_ids, weights_out, weights_final):
     return jnp.sum(out * weights_out) + jnp.sum(final * weights_final)
 
 
-@pytest.mark.parametrize("segmented", [False, True])
-def test_gradients_finite_and_equal_between_chunked_and_recurrent(segmented):
+def test_gradients_finite_and_equal_between_chunked_and_recurrent():
     q, k, v, g, beta = _inputs(16, 2, PACKED_T)
     state = random_state(17, 2, HEADS, DK, DV)
-    ids = PACKED if segmented else None
+    ids = PACKED
     rng = np.random.default_rng(18)
     weights_out = rng.standard_normal((2, PACKED_T, HEADS, DV)).astype(np.float32)
     weights_final = rng.standard_normal((2, HEADS, DK, DV)).astype(np.float32)
@@ -193,9 +206,8 @@ def test_gradients_finite_and_equal_between_chunked_and_recurrent(segmented):
         assert np.isfinite(np.asarray(gc)).all(), name
         scale = np.abs(np.asarray(gr)).max()
         np.testing.assert_allclose(gc, gr, rtol=1e-4, atol=1e-4 * scale, err_msg=name)
-    if segmented:
-        for x in chunk_grads[:5]:
-            assert not np.asarray(x)[PACKED == 0].any(), "padding inputs get no gradient"
+    for x in chunk_grads[:5]:
+        assert not np.asarray(x)[PACKED == 0].any(), "padding inputs get no gradient"
 
 
 @pytest.mark.parametrize(
@@ -211,3 +223,40 @@ def test_bad_shapes_are_named(fn):
         fn(q, k, v, g, beta, initial_state=np.zeros((1, HEADS, DV, DK), np.float32))
     with pytest.raises(ValueError, match="segment_ids must be"):
         fn(q, k, v, g, beta, segment_ids=np.ones((1, 9), np.int32))
+
+
+@pytest.mark.parametrize("size", [1, 5, 8, 64])
+def test_unit_lower_triangular_inverse_matches_float64_inverse(size):
+    rng = np.random.default_rng(20)
+    matrix = (0.3 * rng.standard_normal((3, size, size))).astype(np.float32)
+    expected = np.linalg.inv(np.eye(size) + np.tril(matrix.astype(np.float64), -1))
+    got = jax.jit(unit_lower_triangular_inverse)(matrix)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+    cotangent = rng.standard_normal((3, size, size)).astype(np.float32)
+    grad = jax.jit(jax.grad(lambda m: jnp.sum(unit_lower_triangular_inverse(m) * cotangent)))(matrix)
+    # d<G, M^-1> / dM = -M^-T G M^-T, on the strictly lower entries only (the rest is ignored).
+    expected_grad = np.tril(-np.swapaxes(expected, -1, -2) @ cotangent @ np.swapaxes(expected, -1, -2), -1)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-4, atol=1e-5 * np.abs(expected_grad).max())
+
+
+def test_random_packings_match_naive():
+    """Many random document / padding layouts through one compiled function."""
+    rng = np.random.default_rng(21)
+    length = 48
+    q, k, v, g, beta = _inputs(22, 2, length)
+    state = random_state(23, 2, HEADS, DK, DV)
+    for _ in range(6):
+        ids = np.zeros((2, length), np.int32)
+        for row in range(2):
+            position, next_id = 0, 1
+            while position < length:
+                run = int(rng.integers(1, 12))
+                is_padding = rng.random() < 0.25
+                ids[row, position : position + run] = 0 if is_padding else next_id
+                next_id += 0 if is_padding else 1
+                position += run
+        out, final = _chunk_fn(8)(q, k, v, g, beta, initial_state=state, segment_ids=ids)
+        ref_out, ref_final = naive_gated_delta_rule(q, k, v, g, beta, initial_state=state, segment_ids=ids)
+        np.testing.assert_allclose(out, ref_out, **TOL)
+        np.testing.assert_allclose(final, ref_final, **TOL)
