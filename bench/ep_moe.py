@@ -68,10 +68,10 @@ def relative(got, want):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--inter", type=int, default=128)
-    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--inter", type=int, default=64)
+    parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=4)
     args = parser.parse_args()
     x, router, weights, replay = make_case(args.tokens, args.hidden, args.inter, args.experts, args.top_k)

@@ -292,7 +292,7 @@ def structural_terms(
         + lin_heads * dv * compute
         + 4 * lin_heads * f32
         + lin_heads * (2 * dk + dv) * f32
-        + lin_heads * (dv + 3 * dk + 2 * chunk) * f32
+        + lin_heads * (dv + 3 * dk + 4 * chunk) * f32
         + 2 * lin_heads * dv * f32
     )
     # Full attention working set per token (scores counted separately).
@@ -545,7 +545,6 @@ def measure(config: Qwen35MoeConfig, plan: ShardingPlan, tokens: int, assumption
     from flax import nnx
 
     from t1jax.model.transformer import Qwen35MoeForCausalLM
-    from t1jax.parallel.cpu_compat import xla_triangular_solve_on_cpu
     from t1jax.parallel.plan import make_mesh
     from t1jax.parallel.step import (
         abstract_actor_batch,
@@ -572,8 +571,7 @@ def measure(config: Qwen35MoeConfig, plan: ShardingPlan, tokens: int, assumption
         if jax.default_backend() == "cpu"
         else {}
     )
-    with xla_triangular_solve_on_cpu():
-        analysis = step.lower(state, batch).compile(compiler_options=options).memory_analysis()
+    analysis = step.lower(state, batch).compile(compiler_options=options).memory_analysis()
     return int(
         analysis.argument_size_in_bytes
         + analysis.temp_size_in_bytes
@@ -645,6 +643,13 @@ CALIBRATION_POINTS = (
     CalibrationPoint("no remat T=256", 256, plan=ShardingPlan(remat="none")),
     CalibrationPoint("8 heads T=512", 512, (("num_attention_heads", 8),)),
     CalibrationPoint("tiny context 2 T=512", 512, plan=ShardingPlan(context=2)),
+    CalibrationPoint("tiny context 4 T=2048", 2048, plan=ShardingPlan(context=4)),
+    CalibrationPoint(
+        "recurrent only context 2 T=1024",
+        1024,
+        (("layer_types", _RECURRENT_ONLY), ("vocab_size", 512)),
+        plan=ShardingPlan(context=2),
+    ),
     # Recurrent layers only and a small vocabulary: the layer working set dominates.
     CalibrationPoint("recurrent only T=1024", 1024, (("layer_types", _RECURRENT_ONLY), ("vocab_size", 512))),
     CalibrationPoint(
@@ -671,6 +676,7 @@ VALIDATION_POINTS = (
     ),
     CalibrationPoint("hidden 128 T=512", 512, (("hidden_size", 128),)),
     CalibrationPoint("tiny context 2 T=1024", 1024, plan=ShardingPlan(context=2)),
+    CalibrationPoint("tiny context 4 T=1024", 1024, plan=ShardingPlan(context=4)),
     CalibrationPoint("tiny fsdp 2 expert 2 T=512", 512, plan=ShardingPlan(fsdp=2, expert=2)),
     CalibrationPoint("tiny no remat T=512", 512, plan=ShardingPlan(remat="none")),
 )

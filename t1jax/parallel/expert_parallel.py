@@ -32,6 +32,10 @@ worst-case capacity (zeros beyond each slice's size): exact, differentiable, and
 ragged send volume in the worst case. ``"auto"`` picks ragged except on CPU. The expert
 computation, the offsets and the combine are the same code for both.
 
+With an expert axis of size 1 the same shard_map runs the grouped MoE on each shard's own tokens
+and exchanges nothing: GSPMD alone cannot split ``routed_experts``' sort of the flattened tokens
+along the sorted axis, and would have every device gather and process all of them.
+
 Composition: tokens ``[N, H]`` are sharded over ``token_axes`` (data-like axes and ``context``;
 they must include the expert axis for the shards to hold different tokens); expert weights over
 the expert axis and, optionally, their intermediate dimension over a ``tensor_axis`` (partial
@@ -126,7 +130,6 @@ def _local_experts(rows, local_ids, w_gate, w_up, w_down):
 def _shard_body(x, expert_ids, gate_weights, w_gate, w_up, w_down, *, expert_axis, tensor_axis, collective):
     num_tokens, top_k = expert_ids.shape
     peers = lax.axis_size(expert_axis)
-    me = lax.axis_index(expert_axis)
     experts_per_shard = w_gate.shape[0]
     capacity = worst_case_slice_rows(num_tokens, top_k, experts_per_shard)
     exchange = _exchange(collective, expert_axis, capacity)
@@ -135,42 +138,46 @@ def _shard_body(x, expert_ids, gate_weights, w_gate, w_up, w_down, *, expert_axi
     order = jnp.argsort(flat_ids, stable=True)
     sorted_ids = jnp.take(flat_ids, order)
     send_rows = jnp.take(x, order // top_k, axis=0)
-    destination = sorted_ids // experts_per_shard
-    send_sizes = jnp.bincount(destination, length=peers).astype(jnp.int32)
-    input_offsets = _exclusive_cumsum(send_sizes)
-    all_sizes = lax.all_gather(send_sizes, expert_axis)  # [sender, receiver]
-    output_offsets = _exclusive_cumsum(all_sizes, axis=0)[me]  # where my slice lands on each peer
-    recv_sizes = all_sizes[:, me]
-    recv_offsets = _exclusive_cumsum(recv_sizes)
+    if peers == 1:  # every expert is local: this shard's tokens never leave it
+        returned = _local_experts(send_rows, sorted_ids, w_gate, w_up, w_down)
+    else:
+        me = lax.axis_index(expert_axis)
+        destination = sorted_ids // experts_per_shard
+        send_sizes = jnp.bincount(destination, length=peers).astype(jnp.int32)
+        input_offsets = _exclusive_cumsum(send_sizes)
+        all_sizes = lax.all_gather(send_sizes, expert_axis)  # [sender, receiver]
+        output_offsets = _exclusive_cumsum(all_sizes, axis=0)[me]  # where my slice lands on each peer
+        recv_sizes = all_sizes[:, me]
+        recv_offsets = _exclusive_cumsum(recv_sizes)
 
-    buffer_rows = peers * capacity
-    recv_rows = exchange(
-        send_rows,
-        jnp.zeros((buffer_rows, x.shape[1]), x.dtype),
-        input_offsets,
-        send_sizes,
-        output_offsets,
-        recv_sizes,
-    )
-    recv_ids = exchange(
-        (sorted_ids % experts_per_shard).astype(jnp.int32),
-        jnp.full((buffer_rows,), experts_per_shard, jnp.int32),
-        input_offsets,
-        send_sizes,
-        output_offsets,
-        recv_sizes,
-    )
-    expert_out = _local_experts(recv_rows, recv_ids, w_gate, w_up, w_down)
-    # Back: peer s's rows sit at recv_offsets[s]; they land where s cut them (its input offset to me).
-    return_offsets = _exclusive_cumsum(all_sizes, axis=1)[:, me]
-    returned = exchange(
-        expert_out,
-        jnp.zeros((num_tokens * top_k, expert_out.shape[1]), expert_out.dtype),
-        recv_offsets,
-        recv_sizes,
-        return_offsets,
-        send_sizes,
-    )
+        buffer_rows = peers * capacity
+        recv_rows = exchange(
+            send_rows,
+            jnp.zeros((buffer_rows, x.shape[1]), x.dtype),
+            input_offsets,
+            send_sizes,
+            output_offsets,
+            recv_sizes,
+        )
+        recv_ids = exchange(
+            (sorted_ids % experts_per_shard).astype(jnp.int32),
+            jnp.full((buffer_rows,), experts_per_shard, jnp.int32),
+            input_offsets,
+            send_sizes,
+            output_offsets,
+            recv_sizes,
+        )
+        expert_out = _local_experts(recv_rows, recv_ids, w_gate, w_up, w_down)
+        # Back: peer s's rows sit at recv_offsets[s]; they land where s cut them (its input offset to me).
+        return_offsets = _exclusive_cumsum(all_sizes, axis=1)[:, me]
+        returned = exchange(
+            expert_out,
+            jnp.zeros((num_tokens * top_k, expert_out.shape[1]), expert_out.dtype),
+            recv_offsets,
+            recv_sizes,
+            return_offsets,
+            send_sizes,
+        )
     unsorted = jnp.take(returned, jnp.argsort(order), axis=0)
     unsorted = unsorted.reshape(num_tokens, top_k, -1).astype(jnp.float32)
     combined = jnp.einsum("nkh,nk->nh", unsorted, gate_weights.astype(jnp.float32))
@@ -228,8 +235,10 @@ def expert_parallel_routed_experts(
         raise ValueError(f"{num_experts} experts cannot be split evenly over expert axis of size {degree}")
     if token_axes is None:
         token_axes = tuple(a for a in ("data", "fsdp", "expert", "context") if mesh.shape.get(a, 1) > 1)
+        if degree > 1 and expert_axis not in token_axes:
+            token_axes += (expert_axis,)
     token_axes = _axes_tuple(token_axes)
-    if expert_axis not in token_axes:
+    if degree > 1 and expert_axis not in token_axes:
         raise ValueError(
             f"token_axes {token_axes} must include the expert axis {expert_axis!r}: each expert shard "
             "dispatches its own tokens"
@@ -244,6 +253,7 @@ def expert_parallel_routed_experts(
     if tensor_axis is not None and w_gate.shape[2] % mesh.shape[tensor_axis]:
         tensor_axis = None  # intermediate not divisible: replicate it (resolve_spec does the same)
     tokens = P(token_axes, None)
+    expert_spec = expert_axis if degree > 1 else None  # a size-1 axis: weights stay whole
     body = functools.partial(
         _shard_body,
         expert_axis=expert_axis,
@@ -257,9 +267,9 @@ def expert_parallel_routed_experts(
             tokens,
             tokens,
             tokens,
-            P(expert_axis, None, tensor_axis),
-            P(expert_axis, None, tensor_axis),
-            P(expert_axis, tensor_axis, None),
+            P(expert_spec, None, tensor_axis),
+            P(expert_spec, None, tensor_axis),
+            P(expert_spec, tensor_axis, None),
         ),
         out_specs=tokens,
     )(x, expert_ids, gate_weights, w_gate, w_up, w_down)

@@ -4,7 +4,9 @@ single-device ones, installed through the model's forward hooks (``t1jax.model.h
 ``parallel_forward(plan, mesh, segment_ids=..., layout_index=...)`` is a context manager used
 *inside* a traced function (a loss, a train step) around the model call:
 
-- expert > 1: the routed experts run expert-parallel (``expert_parallel_routed_experts``);
+- tokens sharded at all (batch or sequence): the routed experts run in a shard_map over the
+  token axes (``expert_parallel_routed_experts``), exchanging rows over ``expert`` when
+  expert > 1 and staying local otherwise;
 - context > 1: full attention is ``context_parallel_attention`` and Gated DeltaNet layers use
   ``ContextParallelRecurrence`` (relayout to contiguous, conv halo, state relay, relayout back);
 - remat "layer": each decoder layer is rematerialised in the backward pass (``nnx.remat``), so a
@@ -66,12 +68,17 @@ def forward_hooks_for(
     batch_size = segment_ids.shape[0]
     batch_axes = batch_axes_for(mesh, plan, batch_size)
     routed = attention = recurrent = None
-    if plan.expert > 1:
+    token_axes = _token_axes(mesh, plan, batch_axes)
+    if token_axes:
+        # Also without expert parallelism: the grouped MoE sorts the flattened [B * T] tokens,
+        # and GSPMD cannot split a sort along the sorted axis, so under plain sharding every
+        # device would gather and process the whole batch's tokens. In the shard_map each shard
+        # routes and computes only its own (with an expert axis of size 1 nothing is exchanged).
         routed = functools.partial(
             expert_parallel_routed_experts,
             mesh=mesh,
             expert_axis="expert",
-            token_axes=_token_axes(mesh, plan, batch_axes),
+            token_axes=token_axes,
             tensor_axis="tensor" if plan.tensor > 1 else None,
             collective=plan.moe_collective,
         )

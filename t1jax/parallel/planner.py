@@ -170,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
     print("GiB per device; seqs = sequences side by side (data x fsdp x expert); T = padded token wall")
     print()
     limit = args.top or None
-    print(f"feasible plans: {len(feasible)} (ranked: seqs desc, expert desc, tensor asc, pipeline asc, total asc)")
+    order = "seqs desc, expert desc, tensor asc, pipeline asc, total asc"
+    print(f"feasible plans: {len(feasible)} (ranked: {order})")
     if feasible:
         print(_header())
         for rank, estimate in enumerate(feasible[:limit], 1):

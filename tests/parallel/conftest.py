@@ -1,5 +1,4 @@
-"""Fixtures for the parallel tests: the jaxlib 0.10 CPU trsm workaround around every test (see
-``t1jax.parallel.cpu_compat``), the tiny config and a randomised tiny model."""
+"""Fixtures for the parallel tests: the tiny config and a randomised tiny model."""
 
 from __future__ import annotations
 
@@ -7,14 +6,7 @@ import pytest
 from flax import nnx
 
 from t1jax.model import Qwen35MoeForCausalLM, load_config
-from t1jax.parallel.cpu_compat import xla_triangular_solve_on_cpu
 from tests.model.model_helpers import TINY_YAML, randomize_all
-
-
-@pytest.fixture(autouse=True)
-def _no_lapack_trsm_deadlock():
-    with xla_triangular_solve_on_cpu():
-        yield
 
 
 @pytest.fixture(scope="session")

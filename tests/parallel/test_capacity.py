@@ -52,24 +52,17 @@ def test_weights_term_by_hand(tiny_config):
 
 def test_expert_optimizer_state_is_plan_invariant(big_config):
     """Proposition 7.1: with a distributed optimizer the experts' optimizer bytes depend only on
-    the device count, while their weights shrink with the expert degree."""
-    rows = []
-    for expert, fsdp, context in [(8, 8, 4), (16, 4, 4), (64, 2, 2), (256, 1, 1)]:
+    the device count, while their resident weights divide by expert x fsdp."""
+    experts, _ = capacity.parameter_counts(big_config)
+    optimizer_elements = set()
+    for expert, fsdp, context in [(8, 8, 4), (16, 4, 4), (64, 2, 2), (256, 1, 1), (2, 32, 4)]:
         plan = ShardingPlan(expert=expert, fsdp=fsdp, context=context)
         assert plan.devices == 256
         sizes = capacity._shard_sizes(big_config, plan)
-        rows.append(
-            (
-                sum(opt for group, _, opt in sizes if group.is_expert),
-                sum(local for group, local, _ in sizes if group.is_expert),
-            )
-        )
-    optimizer_elements = {opt for opt, _ in rows}
-    assert len(optimizer_elements) == 1
-    experts, _ = capacity.parameter_counts(big_config)
-    assert optimizer_elements.pop() == experts / 256
-    weights = [local for _, local in rows]
-    assert weights == sorted(weights, reverse=True) and weights[0] > 8 * weights[-1]
+        optimizer_elements.add(sum(opt for group, _, opt in sizes if group.is_expert))
+        weights = sum(local for group, local, _ in sizes if group.is_expert)
+        assert weights == experts / (expert * fsdp)
+    assert optimizer_elements == {experts / 256}
 
 
 def test_logits_divide_by_the_context_degree(big_config):
@@ -88,7 +81,7 @@ def test_logits_divide_by_the_context_degree(big_config):
 
 def test_infeasible_plans_name_the_term(big_config):
     plan = ShardingPlan(context=2, expert=128)
-    estimate = capacity.estimate(big_config, plan, 84_032, budget_bytes=1 * capacity.GIB)
+    estimate = capacity.estimate(big_config, plan, 84_096, budget_bytes=1 * capacity.GIB)
     assert not estimate.feasible
     assert "alone" in estimate.verdict() or "largest term" in estimate.verdict()
     odd = capacity.estimate(big_config, ShardingPlan(expert=3), 1024, budget_bytes=1e15)
@@ -152,15 +145,36 @@ def test_plan_command_ranks_plans(capsys):
     )
     out = capsys.readouterr().out
     assert code == 0
-    assert "Pe = 116.00B" in out
+    assert "Pe = 115.96B" in out
     assert "feasible plans:" in out and "infeasible by memory:" in out
     feasible_count = int(out.split("feasible plans: ")[1].split()[0])
     assert feasible_count > 0
-    assert "not splittable:" in out and "experts do not split" in out
+    # 256 experts split over every divisor of 256; 32 attention heads do not split 64 ways.
+    assert "not splittable:" in out and "32 attention heads do not split over tensor=64" in out
 
 
 def test_plan_command_evaluates_named_plans(capsys):
-    code = main(["plan", "--config", str(BIG), "--plan", "qwen35_122b_a10b_256_cp4", "--tokens", "84000"])
+    """Paper §7.1's comparison on our sharding: the 84k wall fits with context 4, not with 2."""
+    code = main(
+        [
+            "plan",
+            "--config",
+            str(BIG),
+            "--plan",
+            "qwen35_122b_a10b_256_cp2",
+            "--plan",
+            "qwen35_122b_a10b_256_cp4",
+            "--memory-gb",
+            "95",
+            "--tokens",
+            "84000",
+            "--attention",
+            "flash",
+        ]
+    )
     out = capsys.readouterr().out
-    assert code in (0, 1)
-    assert "d" in out and "84,000" in out
+    assert code == 0
+    assert "token wall 84,000" in out
+    feasible, infeasible = out.split("feasible plans: ")[1].split("infeasible by memory: ")
+    assert feasible.startswith("1 ") and "cp4" in feasible and "cp2" not in feasible
+    assert infeasible.startswith("1 ") and "cp2" in infeasible and "over by" in infeasible
