@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from t1jax.model.config import Qwen35MoeConfig
+from t1jax.model.hooks import active_hooks
 from t1jax.model.norms import RMSNorm
 from t1jax.model.params import make_param, normal
 from t1jax.parallel.rules import (
@@ -141,7 +142,11 @@ class GatedAttention(nnx.Module):
     def __call__(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """Full forward over packed rows. x [B, T, hidden]; positions, segment_ids int32 [B, T]."""
         query, gate, key, value = self._project(x, positions)
-        attn = attend(query, key, value, packed_causal_mask(segment_ids))
+        attention = active_hooks().attention
+        if attention is None:
+            attn = attend(query, key, value, packed_causal_mask(segment_ids))
+        else:
+            attn = attention(query, key, value, segment_ids)
         return self._output(attn, gate)
 
     def extend(

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from t1jax.model.config import Qwen35MoeConfig
+from t1jax.model.hooks import active_hooks
 from t1jax.model.norms import GatedRMSNorm
 from t1jax.model.params import log_uniform_decay, make_param, normal, ones, uniform
 from t1jax.ops.causal_conv import causal_conv1d, causal_conv1d_step
@@ -117,11 +118,17 @@ class GatedDeltaNet(nnx.Module):
     # ---- forms ---------------------------------------------------------------------------------
     def __call__(self, x: jax.Array, *, segment_ids: jax.Array) -> jax.Array:
         """Full forward over packed rows. x [B, T, hidden]; segment_ids int32 [B, T]."""
+        sequence_ops = active_hooks().recurrent
+        if sequence_ops is not None:
+            x, segment_ids = sequence_ops.enter(x, segment_ids)
+        conv = causal_conv1d if sequence_ops is None else sequence_ops.causal_conv1d
+        rule = chunk_gated_delta_rule if sequence_ops is None else sequence_ops.chunk_gated_delta_rule
         qkv, z, beta, g = self._project(x)
-        conv_out, _ = causal_conv1d(qkv, self._conv_weight(), segment_ids=segment_ids)
+        conv_out, _ = conv(qkv, self._conv_weight(), segment_ids=segment_ids)
         q, k, v = self._split_heads(conv_out)
-        core, _ = chunk_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids)
-        return self._output(core, z)
+        core, _ = rule(q, k, v, g, beta, segment_ids=segment_ids)
+        out = self._output(core, z)
+        return out if sequence_ops is None else sequence_ops.leave(out)
 
     def extend(
         self, x: jax.Array, conv_state: jax.Array, recurrent_state: jax.Array, *, valid_lengths: jax.Array

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from t1jax.model.config import Qwen35MoeConfig
+from t1jax.model.hooks import active_hooks
 from t1jax.model.params import make_param, normal
 from t1jax.parallel.rules import EMBED, EXPERT, EXPERT_MLP, MLP, ROUTER
 
@@ -130,7 +131,8 @@ class SparseMoeBlock(nnx.Module):
         flat_replay = None if replay_ids is None else replay_ids.reshape(batch * seq_len, -1)
         expert_ids, gate_weights = route(router_logits, self.config.num_experts_per_tok, flat_replay)
         dtype = self.dtype
-        routed = routed_experts(
+        dispatch = active_hooks().routed_experts or routed_experts
+        routed = dispatch(
             tokens,
             expert_ids,
             gate_weights,

@@ -33,6 +33,7 @@ from t1jax.model.attention import GatedAttention
 from t1jax.model.cache import AttentionLayerCache, DecodeCache, LinearLayerCache, init_cache
 from t1jax.model.config import FULL_ATTENTION, Qwen35MoeConfig
 from t1jax.model.gated_deltanet import GatedDeltaNet
+from t1jax.model.hooks import active_hooks
 from t1jax.model.moe import SparseMoeBlock, validate_routing_replay
 from t1jax.model.norms import RMSNorm
 from t1jax.model.params import make_param, normal
@@ -173,10 +174,11 @@ class Qwen35MoeModel(nnx.Module):
             routing_replay = validate_routing_replay(routing_replay, self.config, input_ids.shape)
         hidden = self._embed(input_ids)
         routing = []
+        call_layer = active_hooks().decoder_layer or _call_layer
         for index, layer in enumerate(self.layers):
             replay_ids = None if routing_replay is None else routing_replay[:, :, index]
-            hidden, expert_ids = layer(
-                hidden, positions=positions, segment_ids=segment_ids, replay_ids=replay_ids
+            hidden, expert_ids = call_layer(
+                layer, hidden, positions=positions, segment_ids=segment_ids, replay_ids=replay_ids
             )
             hidden = constrain(hidden, (ACT_BATCH, ACT_LENGTH, ACT_EMBED))
             routing.append(expert_ids)
@@ -287,6 +289,10 @@ class Qwen35MoeForCausalLM(nnx.Module):
         out, cache = self.model.decode_step(token_ids, cache, active=active)
         logits = self._logits(out.hidden_states[:, 0])
         return CausalLMOutput(logits=logits, routing=out.routing[:, 0]), cache
+
+
+def _call_layer(layer: DecoderLayer, hidden, **kwargs):
+    return layer(hidden, **kwargs)
 
 
 # ---- input checks (host side, static shapes: safe under jit) -------------------------------------

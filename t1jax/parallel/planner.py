@@ -1,0 +1,218 @@
+"""``t1jax plan``: every sharding plan for a model, a device count, a per-device memory budget and a
+token wall, ranked by the capacity model (``t1jax.parallel.capacity``), with the reason each
+infeasible plan fails.
+
+Owns the command's arguments and its report; the numbers come from ``capacity.estimate``. The token
+wall is padded per plan to what the context-parallel scan needs (a multiple of context x chunk),
+and the padded length is what the plan is charged for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections import Counter
+from pathlib import Path
+
+from t1jax.model.config import Qwen35MoeConfig, load_config
+from t1jax.parallel import capacity
+from t1jax.parallel.plan import ShardingPlan, load_plan
+
+GIB = capacity.GIB
+COLUMNS = (
+    ("weights", "weights"),
+    ("gradients", "grads"),
+    ("optimizer", "optim"),
+    ("batch", "batch"),
+    ("boundary", "bound"),
+    ("layer", "layer"),
+    ("dispatch", "moe"),
+    ("ragged_dense", "ragged"),
+    ("saved", "saved"),
+    ("attention_scores", "scores"),
+    ("attention_mask", "mask"),
+    ("logits", "logits"),
+    ("residue", "resid"),
+)
+
+
+def padded_tokens(tokens: int, plan: ShardingPlan, chunk_size: int) -> int:
+    """The smallest length >= ``tokens`` the plan can run: a multiple of context x chunk."""
+    if plan.context == 1:
+        return tokens
+    unit = plan.context * chunk_size
+    return math.ceil(tokens / unit) * unit
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="model config (YAML preset or HF config.json)")
+    parser.add_argument("--devices", type=int, help="device count G (required unless --plan is given)")
+    parser.add_argument("--memory-gb", type=float, default=95.0, help="per-device budget M in GiB")
+    parser.add_argument(
+        "--tokens", type=int, default=84_000, help="token wall T (one sequence per batch shard)"
+    )
+    parser.add_argument("--rows", type=int, default=1, help="sequences per batch shard per micro-batch")
+    parser.add_argument("--param-dtype", default="bfloat16", choices=sorted(capacity.DTYPE_BYTES))
+    parser.add_argument("--compute-dtype", default="bfloat16", choices=sorted(capacity.DTYPE_BYTES))
+    parser.add_argument(
+        "--attention",
+        default="dense",
+        choices=("dense", "flash"),
+        help="dense: t1jax's attention core ([T/cp, T] scores); flash: a blockwise kernel (no scores)",
+    )
+    parser.add_argument(
+        "--ragged-dot",
+        default="grouped",
+        choices=("grouped", "dense"),
+        help="grouped: TPU/GPU ragged_dot kernels; dense: XLA:CPU's lowering",
+    )
+    parser.add_argument("--remat", default="layer", choices=("layer", "none"))
+    parser.add_argument("--pipeline", default="1", help="comma-separated pipeline degrees to consider")
+    parser.add_argument(
+        "--residue-fraction", type=float, default=0.03, help="allocator residue as a share of M"
+    )
+    parser.add_argument("--calibration", type=Path, help="calibration JSON (default: the stored CPU one)")
+    parser.add_argument(
+        "--plan", action="append", default=[], help="evaluate these named plans / YAML files only"
+    )
+    parser.add_argument("--top", type=int, default=0, help="print at most this many plans per table (0: all)")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="recompile the tiny model's train step, refit the calibration, print validation errors",
+    )
+    parser.add_argument("--calibration-out", type=Path, help="with --calibrate: where to write the JSON")
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:7.2f}"
+
+
+def _model_line(config: Qwen35MoeConfig) -> str:
+    experts, dense = capacity.parameter_counts(config)
+    attention = len(config.full_attention_layers)
+    return (
+        f"model: {config.num_hidden_layers} layers ({config.num_hidden_layers - attention} Gated DeltaNet + "
+        f"{attention} attention), hidden {config.hidden_size}, {config.num_experts} experts top-"
+        f"{config.num_experts_per_tok}, vocab {config.vocab_size:,}; Pe = {experts / 1e9:.2f}B expert, "
+        f"Pd = {dense / 1e9:.2f}B other parameters"
+    )
+
+
+def _row(rank, estimate: capacity.MemoryEstimate) -> str:
+    cells = " ".join(_gib(estimate.terms[key]) for key, _ in COLUMNS)
+    budget = estimate.budget or 0.0
+    plan = estimate.plan
+    return (
+        f"{rank:>4} {plan.label():<30} {plan.batch_shards:>5} {estimate.tokens:>7} {cells} "
+        f"{_gib(estimate.total)} {_gib(budget - estimate.total)}"
+    )
+
+
+def _header() -> str:
+    cells = " ".join(f"{label:>7}" for _, label in COLUMNS)
+    return f"{'rank':>4} {'plan (degrees)':<30} {'seqs':>5} {'T':>7} {cells} {'total':>7} {'free':>7}"
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if args.calibrate:
+        return _calibrate(args)
+    assumptions = capacity.MemoryAssumptions(
+        param_dtype=args.param_dtype,
+        compute_dtype=args.compute_dtype,
+        ragged_dot=args.ragged_dot,
+        attention=args.attention,
+        rows=args.rows,
+        residue_fraction=args.residue_fraction,
+    )
+    calibration = (
+        capacity.Calibration.load(args.calibration) if args.calibration else capacity.default_calibration()
+    )
+    budget = args.memory_gb * GIB
+    if args.plan:
+        plans = [load_plan(name) for name in args.plan]
+        plans = [dataclasses.replace(p, remat=args.remat) if args.remat != p.remat else p for p in plans]
+        devices = {p.devices for p in plans}
+        device_text = "/".join(str(d) for d in sorted(devices))
+    else:
+        if not args.devices:
+            raise SystemExit("t1jax plan: give --devices (or --plan)")
+        pipelines = [int(p) for p in args.pipeline.split(",") if p]
+        plans = capacity.candidate_plans(args.devices, pipelines=pipelines, remat=args.remat)
+        device_text = str(args.devices)
+
+    estimates = []
+    for plan in plans:
+        tokens = padded_tokens(args.tokens, plan, assumptions.chunk_size)
+        estimates.append(
+            capacity.estimate(
+                config, plan, tokens, assumptions=assumptions, calibration=calibration, budget_bytes=budget
+            )
+        )
+    feasible, infeasible = capacity.rank_plans(estimates)
+    print(_model_line(config))
+    print(
+        f"devices {device_text} x {args.memory_gb:g} GiB, token wall {args.tokens:,} x {args.rows} "
+        f"row(s) per batch shard; params {args.param_dtype}"
+        f"{' + float32 master' if assumptions.master_weights else ''}, Adam float32, remat {args.remat}, "
+        f"attention {args.attention}, ragged_dot {args.ragged_dot}, residue {args.residue_fraction:.0%} of M"
+    )
+    print(
+        f"calibration: {args.calibration or 'configs/capacity/cpu_tiny.json'} ({calibration.backend}, jax "
+        f"{calibration.jax_version}): c_act {calibration.activation:.3f}, c_moe {calibration.dispatch:.3f}, "
+        f"c_ragged {calibration.ragged:.3f}, c_saved {calibration.saved:.3f}, "
+        f"c_attn {calibration.attention:.3f}, c_mask {calibration.mask:.3f}, "
+        f"c_logit {calibration.logits:.3f}, "
+        f"b0 {calibration.residue_bytes / 2**20:.1f} MiB"
+    )
+    print("GiB per device; seqs = sequences side by side (data x fsdp x expert); T = padded token wall")
+    print()
+    limit = args.top or None
+    order = "seqs desc, expert desc, tensor asc, pipeline asc, total asc"
+    print(f"feasible plans: {len(feasible)} (ranked: {order})")
+    if feasible:
+        print(_header())
+        for rank, estimate in enumerate(feasible[:limit], 1):
+            print(_row(rank, estimate))
+    memory_bound = [e for e in infeasible if not e.problems]
+    unsplittable = [e for e in infeasible if e.problems]
+    print()
+    print(f"infeasible by memory: {len(memory_bound)} (ranked by total)")
+    if memory_bound:
+        print(_header() + "  why")
+        for rank, estimate in enumerate(memory_bound[:limit], 1):
+            print(_row(rank, estimate) + "  " + estimate.verdict())
+    if unsplittable:
+        reasons = Counter(problem for e in unsplittable for problem in e.problems)
+        print()
+        print(f"not splittable: {len(unsplittable)} plans")
+        for reason, count in reasons.most_common():
+            print(f"  {count:>4} x {reason}")
+    return 0 if feasible else 1
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import jax
+
+    if jax.default_backend() == "cpu" and len(jax.devices()) < 8:
+        raise SystemExit(
+            "t1jax plan --calibrate compiles 2- and 4-device plans: run it with 8 CPU devices, e.g. "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=8 t1jax plan --calibrate ..."
+        )
+    base = load_config(args.config)
+    calibration = capacity.calibrate(base)
+    out = args.calibration_out or (capacity.CALIBRATION_DIR / "cpu_tiny.json")
+    calibration.save(out)
+    print(f"wrote {out}")
+    print(calibration.to_json())
+    worst = 0.0
+    for name, measured, predicted, error in capacity.validate(base, calibration):
+        worst = max(worst, abs(error))
+        print(
+            f"validate {name:<32} XLA {measured / 2**20:9.1f} MiB  "
+            f"model {predicted / 2**20:9.1f} MiB  {error:+.1%}"
+        )
+    print(f"worst validation error {worst:.1%}")
+    return 0
