@@ -391,8 +391,11 @@ def _spec_axes(spec):
 def _placed(mesh, args, specs):
     """Reshard arguments onto their specs when the mesh axes are Explicit (shard_map insists); with
     Auto axes shard_map reshards by itself."""
-    explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-                if kind == jax.sharding.AxisType.Explicit}
+    explicit = {
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == jax.sharding.AxisType.Explicit
+    }
     placed = []
     for x, spec in zip(args, specs, strict=True):
         named = set(_spec_axes(spec))
@@ -461,8 +464,17 @@ def context_parallel_gated_delta_rule(
         state = rest.pop(0) if has_state else None
         ids = rest.pop(0) if has_ids else None
         return gated_delta_rule_shard(
-            q, k, v, g, beta, axis_name=axis_name, chunk_size=chunk_size, initial_state=state,
-            segment_ids=ids, pipeline_groups=pipeline_groups, precision=precision,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            axis_name=axis_name,
+            chunk_size=chunk_size,
+            initial_state=state,
+            segment_ids=ids,
+            pipeline_groups=pipeline_groups,
+            precision=precision,
         )
 
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=(token, state_spec))(
@@ -471,7 +483,14 @@ def context_parallel_gated_delta_rule(
 
 
 def context_parallel_causal_conv1d(
-    x, weight, *, mesh, axis_name="context", initial_state=None, segment_ids=None, batch_axis=None,
+    x,
+    weight,
+    *,
+    mesh,
+    axis_name="context",
+    initial_state=None,
+    segment_ids=None,
+    batch_axis=None,
     channel_axis=None,
 ):
     """``causal_conv1d`` with T sharded contiguously over ``mesh`` axis ``axis_name`` (halo exchange).
@@ -541,13 +560,16 @@ class PackedSequenceDescriptor:
         for row in range(rows):
             lengths = self.segment_lengths[row]
             if len(self.segment_is_padding[row]) != len(lengths):
-                raise ValueError(f"row {row}: {len(lengths)} segment lengths but "
-                                 f"{len(self.segment_is_padding[row])} padding flags")
+                raise ValueError(
+                    f"row {row}: {len(lengths)} segment lengths but "
+                    f"{len(self.segment_is_padding[row])} padding flags"
+                )
             if any(n <= 0 for n in lengths):
                 raise ValueError(f"row {row}: segment lengths must be positive, got {lengths}")
             if any(n <= 0 for n in self.segments_per_sample[row]):
-                raise ValueError(f"row {row}: segments_per_sample must be positive, got "
-                                 f"{self.segments_per_sample[row]}")
+                raise ValueError(
+                    f"row {row}: segments_per_sample must be positive, got {self.segments_per_sample[row]}"
+                )
             if sum(self.segments_per_sample[row]) != len(lengths):
                 raise ValueError(
                     f"row {row}: segments_per_sample {self.segments_per_sample[row]} covers "

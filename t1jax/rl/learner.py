@@ -5,7 +5,8 @@ This module owns `Learner` (the trainable state of both roles and one RL step ov
 step (`Learner.step`), in this order:
 
 1. batch: samples -> fixed-shape micro-batches (`t1jax.rl.batching`), placed on the trainer mesh
-   with the row axis split over the mesh's batch axes (`act_batch` rule: data, fsdp);
+   with the row axis split over the mesh's batch axes (`act_batch` rule: data, fsdp; with a
+   `ShardingPlan`: data, fsdp, expert, and the sequence over context);
 2. V_old: the critic's values before any update this step, no gradient (Eq. 28: V_old = V_phi_{t-1});
 3. advantages and returns by GAE from V_old and the rewards (Eq. 16); explained variance of V_old
    (Eq. 19) over the whole batch;
@@ -36,8 +37,15 @@ Invariants:
   failure in the middle of the update (e.g. out of memory) can leave donated buffers behind:
   restore from the last checkpoint then.
 
-Compiled programs are cached per (model structures, configs, mesh), so a second `Learner` over
-the same architecture (e.g. after critic warm-up) reuses them.
+Compiled programs are cached per (model structures, configs, mesh, plan), so a second `Learner`
+over the same architecture (e.g. after critic warm-up) reuses them.
+
+Parallelism: with `mesh` alone, GSPMD shards by the logical rules (`t1jax.parallel.rules`: data,
+fsdp, expert, tensor). With `plan` (a `t1jax.parallel.plan.ShardingPlan`), every model call of
+both roles runs under `parallel_forward`: the routed experts in a token shard_map (all-to-all over
+`expert`, no token dropped), context-parallel attention and the exact Gated DeltaNet state relay
+over `context` (rows kept in contiguous order), layer remat per the plan, and the optimizer state
+split over every axis its parameter is replicated on (a distributed optimizer).
 """
 
 from __future__ import annotations
@@ -59,7 +67,16 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from t1jax.model.moe import validate_routing_replay
-from t1jax.parallel.rules import ACT_BATCH, ACT_LENGTH, resolve_spec, state_shardings
+from t1jax.parallel.forward import parallel_forward
+from t1jax.parallel.plan import (
+    ShardingPlan,
+    batch_axes_for,
+    batch_sharding,
+    optimizer_shardings,
+    plan_rules,
+)
+from t1jax.parallel.plan import make_mesh as make_plan_mesh
+from t1jax.parallel.rules import ACT_BATCH, ACT_LENGTH, DEFAULT_RULES, resolve_spec, state_shardings
 from t1jax.rl.advantages import gae_advantages, normalize_advantages
 from t1jax.rl.batching import TrainBatch, build_micro_batches, split_into_minibatches
 from t1jax.rl.config import RLConfig
@@ -139,9 +156,17 @@ class _Programs:
         actor_optimizer: OptimizerConfig,
         critic_optimizer: OptimizerConfig,
         mesh: Mesh | None,
+        plan: ShardingPlan | None = None,
     ):
         self.actor_optimizer = make_optimizer(actor_optimizer)
         self.critic_optimizer = make_optimizer(critic_optimizer)
+        rules = DEFAULT_RULES if plan is None else plan_rules(plan)
+
+        def under_plan(batch):
+            # The plan's forward hooks for the model calls of this traced function.
+            if plan is None:
+                return contextlib.nullcontext()
+            return parallel_forward(plan, mesh, segment_ids=batch.segment_ids)
 
         def actor_model(params, rest):
             return nnx.merge(actor_graphdef, params, rest)
@@ -154,14 +179,24 @@ class _Programs:
             # logical axes every nnx.Param carries), so accumulation and the update stay local.
             if mesh is None:
                 return tree
-            return jax.lax.with_sharding_constraint(tree, state_shardings(tree, mesh))
+            return jax.lax.with_sharding_constraint(tree, state_shardings(tree, mesh, rules))
+
+        def like_optimizer_state(tree):
+            # Under a plan, the moments are further split over the axes their parameter is
+            # replicated on (the distributed optimizer the capacity model counts).
+            if plan is None:
+                return like_params(tree)
+            shardings = optimizer_shardings(state_shardings(tree, mesh, rules), tree)
+            return jax.lax.with_sharding_constraint(tree, shardings)
 
         def values(params, rest, batch):
-            return critic_values(critic_model(params, rest), batch)
+            with under_plan(batch):
+                return critic_values(critic_model(params, rest), batch)
 
         def critic_grad(params, rest, batch, old_values, returns, num_loss_tokens):
             def objective(p):
-                new_values = critic_values(critic_model(p, rest), batch)
+                with under_plan(batch):
+                    new_values = critic_values(critic_model(p, rest), batch)
                 return value_loss(
                     new_values,
                     old_values,
@@ -175,11 +210,13 @@ class _Programs:
             return {"value_loss": loss, **aux}, like_params(grads)
 
         def logprobs(params, rest, batch, replay):
-            return policy_logprobs(actor_model(params, rest), batch, replay_routing=replay)
+            with under_plan(batch):
+                return policy_logprobs(actor_model(params, rest), batch, replay_routing=replay)
 
         def actor_grad(params, rest, batch, old_logprobs, advantages_, num_loss_tokens, replay):
             def objective(p):
-                new_logprobs = policy_logprobs(actor_model(p, rest), batch, replay_routing=replay)
+                with under_plan(batch):
+                    new_logprobs = policy_logprobs(actor_model(p, rest), batch, replay_routing=replay)
                 loss, aux = policy_loss(
                     new_logprobs,
                     old_logprobs,
@@ -204,7 +241,8 @@ class _Programs:
 
         def sft_grad(params, rest, batch, num_loss_tokens, replay):
             def objective(p):
-                logprobs_ = policy_logprobs(actor_model(p, rest), batch, replay_routing=replay)
+                with under_plan(batch):
+                    logprobs_ = policy_logprobs(actor_model(p, rest), batch, replay_routing=replay)
                 return sft_loss(logprobs_, batch.action_mask, num_loss_tokens)
 
             (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -224,7 +262,11 @@ class _Programs:
             def apply(params, opt_state, grads):
                 grad_norm = optax.tree.norm(grads)
                 updates, opt_state = optimizer.update(grads, opt_state, params)
-                return like_params(optax.apply_updates(params, updates)), like_params(opt_state), grad_norm
+                return (
+                    like_params(optax.apply_updates(params, updates)),
+                    like_optimizer_state(opt_state),
+                    grad_norm,
+                )
 
             return jax.jit(apply, donate_argnums=(0, 1))
 
@@ -237,14 +279,36 @@ class _Programs:
         self.accumulate = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
         self.apply_actor = make_apply(self.actor_optimizer)
         self.apply_critic = make_apply(self.critic_optimizer)
-        self.init_actor_optimizer = jax.jit(lambda params: like_params(self.actor_optimizer.init(params)))
-        self.init_critic_optimizer = jax.jit(lambda params: like_params(self.critic_optimizer.init(params)))
+        self.init_actor_optimizer = jax.jit(
+            lambda params: like_optimizer_state(self.actor_optimizer.init(params))
+        )
+        self.init_critic_optimizer = jax.jit(
+            lambda params: like_optimizer_state(self.critic_optimizer.init(params))
+        )
         self.diagnostics = jax.jit(batch_diagnostics)
 
 
 @functools.lru_cache(maxsize=8)
 def _programs(*key) -> _Programs:
     return _Programs(*key)
+
+
+# The Gated DeltaNet chunk: a context shard must hold whole chunks for the state relay.
+CONTEXT_CHUNK = 64
+
+
+def _plan_mesh(plan: ShardingPlan, mesh: Mesh | None) -> Mesh:
+    """The plan's mesh; a given `mesh` must be one (its axes and sizes are the plan's)."""
+    if mesh is None:
+        return make_plan_mesh(plan)
+    want = {axis: size for axis, size in plan.degrees.items()}
+    got = dict(mesh.shape)
+    if got != want:
+        raise ValueError(
+            f"mesh {got} is not the mesh of plan {plan.name!r} ({want}); pass the plan alone or "
+            "t1jax.parallel.plan.make_mesh(plan)"
+        )
+    return mesh
 
 
 class Learner:
@@ -255,6 +319,9 @@ class Learner:
     split into parameters (trained) and the rest (kept). With `mesh`, parameters are placed by
     their logical axis names (`t1jax.parallel.rules`) and each micro-batch's rows are split over
     the mesh's batch axes; `batching.rows_per_micro_batch` must be a multiple of that split.
+    With `plan`, the mesh is the plan's (`mesh` may be omitted) and the model calls run under the
+    plan's expert / context parallelism (module docstring); row lengths must then split into
+    `context` shards of whole 64-token chunks.
 
     Buffers: every update donates the previous parameters and optimizer state, so arrays read
     from `state`, `actor_model()` or `critic_model()` are valid until the next step (copy or
@@ -269,11 +336,16 @@ class Learner:
         config: RLConfig,
         *,
         mesh: Mesh | None = None,
+        plan: ShardingPlan | None = None,
         take_ownership: bool = False,
         policy_version: int = 0,
     ):
+        if plan is not None:
+            mesh = _plan_mesh(plan, mesh)
         self.config = config
         self.mesh = mesh
+        self.plan = plan
+        self._rules = DEFAULT_RULES if plan is None else plan_rules(plan)
         # Replay records are checked on the host against the actor's MoE shape: inside jit the
         # model cannot check them, and an out-of-range expert id turns the update into NaNs.
         self._actor_config = getattr(actor, "config", None)
@@ -297,10 +369,11 @@ class Learner:
             config.actor_optimizer,
             config.critic_optimizer,
             mesh,
+            plan,
         )
         if mesh is not None:
-            actor_params = jax.device_put(actor_params, state_shardings(actor_params, mesh))
-            critic_params = jax.device_put(critic_params, state_shardings(critic_params, mesh))
+            actor_params = jax.device_put(actor_params, state_shardings(actor_params, mesh, self._rules))
+            critic_params = jax.device_put(critic_params, state_shardings(critic_params, mesh, self._rules))
         with self._mesh_context():
             self.state = LearnerState(
                 actor_params=actor_params,
@@ -370,6 +443,9 @@ class Learner:
         """How many ways the rows of a micro-batch are split (product of the mesh's batch axes)."""
         if self.mesh is None:
             return 1
+        if self.plan is not None:
+            axes = batch_axes_for(self.mesh, self.plan, math.prod(self.mesh.shape.values()))
+            return math.prod(self.mesh.shape[axis] for axis in axes)
         spec = self._row_spec(rank=2, rows=math.prod(self.mesh.shape.values()))
         axes = spec[0] if isinstance(spec[0], tuple) else () if spec[0] is None else (spec[0],)
         return math.prod(self.mesh.shape[axis] for axis in axes)
@@ -388,8 +464,21 @@ class Learner:
                 f"{self.data_parallel_size}"
             )
         self._check_routing(micro_batches)
+        if self.plan is not None and self.plan.context > 1:
+            unit = self.plan.context * CONTEXT_CHUNK
+            lengths = sorted({mb.input_ids.shape[1] for mb in micro_batches if mb.input_ids.shape[1] % unit})
+            if lengths:
+                raise ValueError(
+                    f"row lengths {lengths} do not split into context={self.plan.context} shards of whole "
+                    f"{CONTEXT_CHUNK}-token chunks: use row_length_buckets that are multiples of {unit}"
+                )
         if self.mesh is None:
             placed = [jax.device_put(mb) for mb in micro_batches]
+        elif self.plan is not None:
+            placed = [
+                jax.tree.map(lambda x: jax.device_put(x, batch_sharding(self.mesh, self.plan, x.shape)), mb)
+                for mb in micro_batches
+            ]
         else:
             placed = [
                 jax.tree.map(

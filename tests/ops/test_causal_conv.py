@@ -41,7 +41,9 @@ def test_matches_torch_conv1d_layout():
     torch = pytest.importorskip("torch")
     x, weight, _ = _data(1, 2, 9)
     expected = torch.nn.functional.conv1d(
-        torch.from_numpy(x).transpose(1, 2), torch.from_numpy(weight)[:, None], padding=KERNEL - 1,
+        torch.from_numpy(x).transpose(1, 2),
+        torch.from_numpy(weight)[:, None],
+        padding=KERNEL - 1,
         groups=CHANNELS,
     )[:, :, :9].transpose(1, 2)
     y, _ = _conv(x, weight)

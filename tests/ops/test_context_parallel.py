@@ -326,7 +326,13 @@ def test_interleaved_pipeline_equals_single_device(degree):
     def single(x, q, k, g, beta):
         v, _ = causal_conv1d(x, weight, segment_ids=ids)
         return chunk_gated_delta_rule(
-            q, k, v.reshape(1, length, HEADS, DV), g, beta, chunk_size=CHUNK, initial_state=state,
+            q,
+            k,
+            v.reshape(1, length, HEADS, DV),
+            g,
+            beta,
+            chunk_size=CHUNK,
+            initial_state=state,
             segment_ids=ids,
         )[0]
 
@@ -340,8 +346,15 @@ def test_interleaved_pipeline_equals_single_device(degree):
         )
         v, _ = context_parallel_causal_conv1d(x, weight, mesh=mesh, segment_ids=seg)
         out, _ = context_parallel_gated_delta_rule(
-            q, k, v.reshape(1, length, HEADS, DV), g, beta, mesh=mesh, chunk_size=CHUNK,
-            initial_state=state, segment_ids=seg,
+            q,
+            k,
+            v.reshape(1, length, HEADS, DV),
+            g,
+            beta,
+            mesh=mesh,
+            chunk_size=CHUNK,
+            initial_state=state,
+            segment_ids=seg,
         )
         return relayout(out, to_interleaved, mesh=mesh)
 

@@ -52,8 +52,12 @@ def _errors(ours, theirs):
 def test_chunked_matches_torch_chunk_gated_delta_rule(chunk_size):
     q, k, v, g, beta, state = _raw_inputs(0)
     theirs = qwen.torch_chunk_gated_delta_rule(
-        *(torch.from_numpy(x) for x in (q, k, v)), g=torch.from_numpy(g), beta=torch.from_numpy(beta),
-        chunk_size=chunk_size, initial_state=torch.from_numpy(state), output_final_state=True,
+        *(torch.from_numpy(x) for x in (q, k, v)),
+        g=torch.from_numpy(g),
+        beta=torch.from_numpy(beta),
+        chunk_size=chunk_size,
+        initial_state=torch.from_numpy(state),
+        output_final_state=True,
         use_qk_l2norm_in_kernel=True,
     )
     qn, kn = _prepare_for_ours(q, k)
@@ -67,8 +71,12 @@ def test_chunked_matches_torch_chunk_gated_delta_rule(chunk_size):
 def test_recurrent_matches_torch_recurrent_gated_delta_rule():
     q, k, v, g, beta, state = _raw_inputs(1)
     theirs = qwen.torch_recurrent_gated_delta_rule(
-        *(torch.from_numpy(x) for x in (q, k, v)), g=torch.from_numpy(g), beta=torch.from_numpy(beta),
-        initial_state=torch.from_numpy(state), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        *(torch.from_numpy(x) for x in (q, k, v)),
+        g=torch.from_numpy(g),
+        beta=torch.from_numpy(beta),
+        initial_state=torch.from_numpy(state),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
     )
     qn, kn = _prepare_for_ours(q, k)
     ours = jax.jit(recurrent_gated_delta_rule)(qn, kn, v, g, beta, initial_state=state)

@@ -7,6 +7,8 @@ structure, config and mesh) are shared across tests.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -18,6 +20,7 @@ from flax import nnx
 from sandbox_service.contracts import FailureCause, VerifierReport
 from t1jax.model import Qwen35MoeCritic, Qwen35MoeForCausalLM, critic_from_pretrained, load_config
 from t1jax.parallel import make_mesh
+from t1jax.parallel.plan import ShardingPlan
 from t1jax.rl.batching import BatchingConfig, build_micro_batches
 from t1jax.rl.config import load_rl_config
 from t1jax.rl.diagnostics import explained_variance
@@ -34,7 +37,6 @@ REWARDS = (0.5, 0.1, 1.0, 0.0)
 @pytest.fixture(scope="module")
 def rl_config():
     config = load_rl_config(REPO / "configs" / "rl_tiny.yaml")
-    import dataclasses
 
     batching = BatchingConfig(row_length_buckets=(LENGTH,), rows_per_micro_batch=ROWS, pack=False)
     return dataclasses.replace(config, batching=batching)
@@ -197,7 +199,6 @@ def test_accumulating_micro_batches_equals_one_big_batch(models, rl_config, samp
 def test_packed_rows_give_the_numbers_of_one_sample_per_row(models, rl_config, samples):
     """Packing (several samples per row, segment ids, positions restarting) changes nothing a
     sample sees: the same per-sample values and log-probs, the same gradient."""
-    import dataclasses
 
     learner = Learner(*models, rl_config)
     packed_config = dataclasses.replace(rl_config.batching, pack=True)
@@ -303,25 +304,29 @@ def test_replayed_routing_gradient_reaches_the_router_and_ignores_the_live_top_k
         )
 
 
+def one_step(learner, samples):
+    """prepare, V_old, GAE, old log-probs, actor gradients, one step, new values and log-probs."""
+    batch = learner.prepare(samples)
+    (old_values,) = learner.values(batch)
+    (advantages,), (returns,) = learner.advantages(batch, [old_values])
+    (old_logprobs,) = learner.logprobs(batch)
+    _, grads = learner.actor_gradients(batch, [old_logprobs], [advantages])
+    metrics = learner.step(batch)
+    (new_values,) = learner.values(batch)
+    (new_logprobs,) = learner.logprobs(batch)
+    arrays = dict(
+        old_values=old_values,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        returns=returns,
+        new_values=new_values,
+        new_logprobs=new_logprobs,
+    )
+    return batch, {k: np.asarray(v) for k, v in arrays.items()}, grads, metrics
+
+
 def test_sharded_step_equals_the_single_device_step(models, rl_config, samples):
-    def run(learner):
-        batch = learner.prepare(samples)
-        (old_values,) = learner.values(batch)
-        (advantages,), (returns,) = learner.advantages(batch, [old_values])
-        (old_logprobs,) = learner.logprobs(batch)
-        _, grads = learner.actor_gradients(batch, [old_logprobs], [advantages])
-        metrics = learner.step(batch)
-        (new_values,) = learner.values(batch)
-        (new_logprobs,) = learner.logprobs(batch)
-        arrays = dict(
-            old_values=old_values,
-            old_logprobs=old_logprobs,
-            advantages=advantages,
-            returns=returns,
-            new_values=new_values,
-            new_logprobs=new_logprobs,
-        )
-        return batch, {k: np.asarray(v) for k, v in arrays.items()}, grads, metrics
+    run = functools.partial(one_step, samples=samples)
 
     single = Learner(*models, rl_config)
     _, single_arrays, single_grads, single_metrics = run(single)
@@ -358,6 +363,48 @@ def test_sharded_step_equals_the_single_device_step(models, rl_config, samples):
     value_after = value_loss(arrays["new_values"], arrays["old_values"], arrays["returns"], mask, count)[0]
     assert float(policy_after) < metrics["actor/policy_loss"]
     assert float(value_after) < metrics["critic/value_loss"]
+
+
+def test_plan_with_expert_and_context_parallelism_equals_the_single_device_step(models, rl_config, samples):
+    """The learner under a ShardingPlan (fsdp 2 x expert 2 x context 2 on 8 devices): all-to-all
+    expert dispatch, context-parallel attention and recurrent state relay in every model call of
+    both roles, distributed Adam moments. Rows are 128 tokens (two 64-token chunks per context
+    shard); the single-device reference uses 32-token rows, which hold the same samples (the
+    padding after them changes nothing before it)."""
+    plan = ShardingPlan(name="fsdp2-expert2-context2", fsdp=2, expert=2, context=2)
+    long_rows = dataclasses.replace(
+        rl_config, batching=dataclasses.replace(rl_config.batching, row_length_buckets=(128,))
+    )
+    _, want, want_grads, want_metrics = one_step(Learner(*models, rl_config), samples)
+
+    learner = Learner(*models, long_rows, plan=plan)
+    assert learner.data_parallel_size == 4 and learner.mesh.shape["context"] == 2
+    batch, got, grads, metrics = one_step(learner, samples)
+    ids = batch.micro_batches[0].input_ids
+    assert ids.shape == (ROWS, 128)
+    assert ids.sharding.spec == jax.sharding.PartitionSpec(("fsdp", "expert"), "context")
+    embed = learner.state.actor_params["model"]["embed_tokens"].get_value()
+    adam = learner.state.actor_opt_state[1][0]
+    moment = adam.mu["model"]["embed_tokens"].get_value()
+    # The moment is split over more devices than its parameter (a distributed optimizer).
+    assert moment.addressable_shards[0].data.size < embed.addressable_shards[0].data.size
+
+    real = np.asarray(batch.micro_batches[0].segment_ids) > 0
+    assert not real[:, LENGTH:].any()
+    real = real[:, :LENGTH]
+    for key, value in got.items():
+        got_real, want_real = value[:, :LENGTH][real], want[key][real]
+        np.testing.assert_allclose(got_real, want_real, atol=2e-5, rtol=2e-5, err_msg=key)
+    for key in ("actor/policy_loss", "critic/value_loss", "critic/explained_variance", "actor/grad_norm"):
+        assert metrics[key] == pytest.approx(want_metrics[key], rel=1e-4, abs=1e-6), key
+    gradient_error = relative_error(want_grads, grads)
+    print(f"\nplan {plan.label()} vs single device: actor gradient relative error {gradient_error:.2e}")
+    assert gradient_error < 1e-4
+
+    with pytest.raises(ValueError, match=r"context=2 shards of whole 64-token chunks"):
+        Learner(*models, rl_config, plan=plan).prepare(samples)
+    with pytest.raises(ValueError, match="is not the mesh of plan"):
+        Learner(*models, rl_config, plan=plan, mesh=make_mesh(fsdp=2, expert=2, tensor=2))
 
 
 def test_critic_warmup_holds_the_actor_and_saves_critic_weights_only(models, rl_config, samples, tmp_path):
@@ -397,7 +444,6 @@ def test_minibatches_epochs_and_global_advantage_normalisation(models, rl_config
     """Actor: two epochs x two minibatches = four optimizer steps; critic: one epoch, two.
     Normalised advantages have zero mean and unit variance over the whole batch (not per
     micro-batch)."""
-    import dataclasses
 
     config = dataclasses.replace(
         rl_config,
@@ -423,7 +469,6 @@ def test_minibatches_epochs_and_global_advantage_normalisation(models, rl_config
 def test_old_logprobs_come_from_the_version_that_generated_the_batch(models, rl_config, samples):
     """One-step asynchrony (App. 12.1): the second batch was generated by version 0 while the
     learner already holds version 1; the ratio's denominator must be version 0 (Eq. 26)."""
-    import dataclasses
 
     learner = Learner(*models, rl_config)
     published, version = learner.publish_actor()
@@ -444,7 +489,6 @@ def test_old_logprobs_come_from_the_version_that_generated_the_batch(models, rl_
 
 
 def test_bad_batches_are_rejected_before_any_update(models, rl_config, samples):
-    import dataclasses
 
     learner = Learner(*models, rl_config)
     step_before = int(learner.state.step)
