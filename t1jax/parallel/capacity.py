@@ -635,6 +635,7 @@ CALIBRATION_POINTS = (
     CalibrationPoint("tiny T=256", 256),
     CalibrationPoint("tiny T=512", 512),
     CalibrationPoint("tiny T=1024", 1024),
+    CalibrationPoint("tiny T=2048", 2048),  # dense attention scores dominate: T^2 terms pinned
     CalibrationPoint("vocab 8192 T=512", 512, (("vocab_size", 8192),)),
     CalibrationPoint("16 experts T=512", 512, (("num_experts", 16),)),
     CalibrationPoint("8 layers T=512", 512, (("num_hidden_layers", 8),)),
