@@ -44,8 +44,12 @@ Parallelism: with `mesh` alone, GSPMD shards by the logical rules (`t1jax.parall
 fsdp, expert, tensor). With `plan` (a `t1jax.parallel.plan.ShardingPlan`), every model call of
 both roles runs under `parallel_forward`: the routed experts in a token shard_map (all-to-all over
 `expert`, no token dropped), context-parallel attention and the exact Gated DeltaNet state relay
-over `context` (rows kept in contiguous order), layer remat per the plan, and the optimizer state
-split over every axis its parameter is replicated on (a distributed optimizer).
+over `context`, layer remat per the plan, and the optimizer state split over every axis its
+parameter is replicated on (a distributed optimizer). With context > 1 each row runs in the
+interleaved ("zigzag") order that balances causal attention over the context shards (paper
+§7.2): shard s holds row chunks s and 2D-1-s of 2D; the model relays to contiguous order around
+the recurrence itself. The reordering happens inside each program, so every array the learner
+takes or returns stays in stream order.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from t1jax.model.moe import validate_routing_replay
+from t1jax.ops.context_parallel import PackedSequenceDescriptor
+from t1jax.parallel.context import ContextLayout, LayoutIndex
 from t1jax.parallel.forward import parallel_forward
 from t1jax.parallel.plan import (
     ShardingPlan,
@@ -162,11 +168,23 @@ class _Programs:
         self.critic_optimizer = make_optimizer(critic_optimizer)
         rules = DEFAULT_RULES if plan is None else plan_rules(plan)
 
-        def under_plan(batch):
-            # The plan's forward hooks for the model calls of this traced function.
+        def planned(batch: TrainBatch, call: Callable[[TrainBatch], jax.Array]) -> jax.Array:
+            """call(batch) -> per-token [B, T], run under the plan's forward hooks (and, with
+            context > 1, in the interleaved layout, the result put back in stream order)."""
             if plan is None:
-                return contextlib.nullcontext()
-            return parallel_forward(plan, mesh, segment_ids=batch.segment_ids)
+                return call(batch)
+            if plan.context == 1:
+                with parallel_forward(plan, mesh, segment_ids=batch.segment_ids):
+                    return call(batch)
+            rows, length = batch.input_ids.shape
+            order, slot = _interleaved_order(length, plan.context)
+            laid = jax.tree.map(lambda x: jnp.take(x, order, axis=1), batch)
+            index = LayoutIndex(
+                jnp.broadcast_to(jnp.asarray(order), (rows, length)),
+                jnp.broadcast_to(jnp.asarray(slot), (rows, length)),
+            )
+            with parallel_forward(plan, mesh, segment_ids=laid.segment_ids, layout_index=index):
+                return jnp.take(call(laid), slot, axis=1)
 
         def actor_model(params, rest):
             return nnx.merge(actor_graphdef, params, rest)
@@ -190,13 +208,11 @@ class _Programs:
             return jax.lax.with_sharding_constraint(tree, shardings)
 
         def values(params, rest, batch):
-            with under_plan(batch):
-                return critic_values(critic_model(params, rest), batch)
+            return planned(batch, lambda b: critic_values(critic_model(params, rest), b))
 
         def critic_grad(params, rest, batch, old_values, returns, num_loss_tokens):
             def objective(p):
-                with under_plan(batch):
-                    new_values = critic_values(critic_model(p, rest), batch)
+                new_values = planned(batch, lambda b: critic_values(critic_model(p, rest), b))
                 return value_loss(
                     new_values,
                     old_values,
@@ -210,13 +226,15 @@ class _Programs:
             return {"value_loss": loss, **aux}, like_params(grads)
 
         def logprobs(params, rest, batch, replay):
-            with under_plan(batch):
-                return policy_logprobs(actor_model(params, rest), batch, replay_routing=replay)
+            return planned(
+                batch, lambda b: policy_logprobs(actor_model(params, rest), b, replay_routing=replay)
+            )
 
         def actor_grad(params, rest, batch, old_logprobs, advantages_, num_loss_tokens, replay):
             def objective(p):
-                with under_plan(batch):
-                    new_logprobs = policy_logprobs(actor_model(p, rest), batch, replay_routing=replay)
+                new_logprobs = planned(
+                    batch, lambda b: policy_logprobs(actor_model(p, rest), b, replay_routing=replay)
+                )
                 loss, aux = policy_loss(
                     new_logprobs,
                     old_logprobs,
@@ -241,8 +259,9 @@ class _Programs:
 
         def sft_grad(params, rest, batch, num_loss_tokens, replay):
             def objective(p):
-                with under_plan(batch):
-                    logprobs_ = policy_logprobs(actor_model(p, rest), batch, replay_routing=replay)
+                logprobs_ = planned(
+                    batch, lambda b: policy_logprobs(actor_model(p, rest), b, replay_routing=replay)
+                )
                 return sft_loss(logprobs_, batch.action_mask, num_loss_tokens)
 
             (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -295,6 +314,16 @@ def _programs(*key) -> _Programs:
 
 # The Gated DeltaNet chunk: a context shard must hold whole chunks for the state relay.
 CONTEXT_CHUNK = 64
+
+
+@functools.lru_cache(maxsize=32)
+def _interleaved_order(length: int, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, slot) of the zigzag layout of a whole row: layout slot t holds stream position
+    order[t]; stream position p sits at slot[p]. The row is one unit of the descriptor, so this is
+    exactly `t1jax.parallel.context`'s interleaved layout of a one-sample row."""
+    descriptor = PackedSequenceDescriptor(((length,),), ((False,),), ((1,),), context)
+    layout = ContextLayout.interleaved(descriptor)
+    return layout.original_position[0], layout.layout_slot()[0]
 
 
 def _plan_mesh(plan: ShardingPlan, mesh: Mesh | None) -> Mesh:

@@ -21,6 +21,7 @@ from sandbox_service.contracts import FailureCause, VerifierReport
 from t1jax.model import Qwen35MoeCritic, Qwen35MoeForCausalLM, critic_from_pretrained, load_config
 from t1jax.parallel import make_mesh
 from t1jax.parallel.plan import ShardingPlan
+from t1jax.rl import learner as learner_module
 from t1jax.rl.batching import BatchingConfig, build_micro_batches
 from t1jax.rl.config import load_rl_config
 from t1jax.rl.diagnostics import explained_variance
@@ -368,9 +369,9 @@ def test_sharded_step_equals_the_single_device_step(models, rl_config, samples):
 def test_plan_with_expert_and_context_parallelism_equals_the_single_device_step(models, rl_config, samples):
     """The learner under a ShardingPlan (fsdp 2 x expert 2 x context 2 on 8 devices): all-to-all
     expert dispatch, context-parallel attention and recurrent state relay in every model call of
-    both roles, distributed Adam moments. Rows are 128 tokens (two 64-token chunks per context
-    shard); the single-device reference uses 32-token rows, which hold the same samples (the
-    padding after them changes nothing before it)."""
+    both roles, rows in the interleaved layout inside the programs, distributed Adam moments. Rows
+    are 128 tokens (two 64-token chunks per context shard); the single-device reference uses
+    32-token rows, which hold the same samples (the padding after them changes nothing before it)."""
     plan = ShardingPlan(name="fsdp2-expert2-context2", fsdp=2, expert=2, context=2)
     long_rows = dataclasses.replace(
         rl_config, batching=dataclasses.replace(rl_config.batching, row_length_buckets=(128,))
@@ -380,6 +381,7 @@ def test_plan_with_expert_and_context_parallelism_equals_the_single_device_step(
     learner = Learner(*models, long_rows, plan=plan)
     assert learner.data_parallel_size == 4 and learner.mesh.shape["context"] == 2
     batch, got, grads, metrics = one_step(learner, samples)
+    assert learner_module._interleaved_order.cache_info().currsize > 0  # the zigzag path was traced
     ids = batch.micro_batches[0].input_ids
     assert ids.shape == (ROWS, 128)
     assert ids.sharding.spec == jax.sharding.PartitionSpec(("fsdp", "expert"), "context")
