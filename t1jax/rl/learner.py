@@ -55,6 +55,7 @@ takes or returns stays in stream order.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
@@ -127,10 +128,15 @@ class LearnerState:
 
     actor_params: Any  # nnx.State of the actor's nnx.Param variables
     critic_params: Any
-    actor_opt_state: Any  # optax state
+    actor_opt_state: Any  # optax state (of the master copy when there is one)
     critic_opt_state: Any
     step: jax.Array  # int32 scalar: completed learner steps (RL or SFT)
     actor_version: jax.Array  # int32 scalar: policy version of actor_params (+1 per actor update step)
+    # float32 master copies of parameters stored in a lower precision (None when all are float32).
+    # The optimizer updates the master; the parameters are its cast, so a step smaller than the
+    # parameter dtype's resolution (lr 1e-6 against bfloat16's 2^-8) still accumulates.
+    actor_master: Any = None
+    critic_master: Any = None
 
 
 @dataclass(frozen=True)
@@ -223,7 +229,7 @@ class _Programs:
                 )
 
             (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
-            return {"value_loss": loss, **aux}, like_params(grads)
+            return {"value_loss": loss, **aux}, like_params(_float32(grads))
 
         def logprobs(params, rest, batch, replay):
             return planned(
@@ -255,7 +261,7 @@ class _Programs:
                 }
 
             (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
-            return {"policy_loss": loss, **aux}, like_params(grads)
+            return {"policy_loss": loss, **aux}, like_params(_float32(grads))
 
         def sft_grad(params, rest, batch, num_loss_tokens, replay):
             def objective(p):
@@ -265,7 +271,7 @@ class _Programs:
                 return sft_loss(logprobs_, batch.action_mask, num_loss_tokens)
 
             (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
-            return {"sft_loss": loss, **aux}, like_params(grads)
+            return {"sft_loss": loss, **aux}, like_params(_float32(grads))
 
         def gae(batch, old_values):
             return gae_advantages(
@@ -278,16 +284,32 @@ class _Programs:
             )
 
         def make_apply(optimizer: optax.GradientTransformation):
-            def apply(params, opt_state, grads):
+            def apply(params, master, opt_state, grads):
                 grad_norm = optax.tree.norm(grads)
-                updates, opt_state = optimizer.update(grads, opt_state, params)
+                target = params if master is None else master
+                updates, opt_state = optimizer.update(grads, opt_state, target)
+                target = optax.apply_updates(target, updates)
+                if master is None:
+                    return like_params(target), None, like_optimizer_state(opt_state), grad_norm
+                params = jax.tree.map(lambda m, p: m.astype(p.dtype), target, params)
                 return (
-                    like_params(optax.apply_updates(params, updates)),
+                    like_params(params),
+                    like_optimizer_state(target),
                     like_optimizer_state(opt_state),
                     grad_norm,
                 )
 
-            return jax.jit(apply, donate_argnums=(0, 1))
+            return jax.jit(apply, donate_argnums=(0, 1, 2))
+
+        def init(optimizer: optax.GradientTransformation):
+            def init_state(params):
+                master = None
+                if any(x.dtype != jnp.float32 for x in jax.tree.leaves(params)):
+                    master = like_optimizer_state(_float32(params))
+                opt_state = optimizer.init(params if master is None else master)
+                return master, like_optimizer_state(opt_state)
+
+            return jax.jit(init_state)
 
         self.values = jax.jit(values)
         self.critic_grad = jax.jit(critic_grad)
@@ -298,18 +320,18 @@ class _Programs:
         self.accumulate = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
         self.apply_actor = make_apply(self.actor_optimizer)
         self.apply_critic = make_apply(self.critic_optimizer)
-        self.init_actor_optimizer = jax.jit(
-            lambda params: like_optimizer_state(self.actor_optimizer.init(params))
-        )
-        self.init_critic_optimizer = jax.jit(
-            lambda params: like_optimizer_state(self.critic_optimizer.init(params))
-        )
+        self.init_actor_optimizer = init(self.actor_optimizer)  # params -> (master | None, opt_state)
+        self.init_critic_optimizer = init(self.critic_optimizer)
         self.diagnostics = jax.jit(batch_diagnostics)
 
 
 @functools.lru_cache(maxsize=8)
 def _programs(*key) -> _Programs:
     return _Programs(*key)
+
+
+def _float32(tree):
+    return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
 
 # The Gated DeltaNet chunk: a context shard must hold whole chunks for the state relay.
@@ -404,13 +426,17 @@ class Learner:
             actor_params = jax.device_put(actor_params, state_shardings(actor_params, mesh, self._rules))
             critic_params = jax.device_put(critic_params, state_shardings(critic_params, mesh, self._rules))
         with self._mesh_context():
+            actor_master, actor_opt_state = self._programs.init_actor_optimizer(actor_params)
+            critic_master, critic_opt_state = self._programs.init_critic_optimizer(critic_params)
             self.state = LearnerState(
                 actor_params=actor_params,
                 critic_params=critic_params,
-                actor_opt_state=self._programs.init_actor_optimizer(actor_params),
-                critic_opt_state=self._programs.init_critic_optimizer(critic_params),
+                actor_opt_state=actor_opt_state,
+                critic_opt_state=critic_opt_state,
                 step=jnp.zeros((), jnp.int32),
                 actor_version=jnp.asarray(policy_version, jnp.int32),
+                actor_master=actor_master,
+                critic_master=critic_master,
             )
 
     # -- models, versions and placement ---------------------------------------------------------
@@ -648,7 +674,11 @@ class Learner:
                 advantages, _ = self.advantages(batch, old_values, normalize=True)
 
             # (4) the critic first, its value clip anchored at V_old.
-            critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
+            critic_params, critic_master, critic_opt_state = (
+                state.critic_params,
+                state.critic_master,
+                state.critic_opt_state,
+            )
             if train_critic:
 
                 def critic_grad(params, i, count):
@@ -656,14 +686,18 @@ class Learner:
                         params, self._critic_rest, mbs[i], old_values[i], returns[i], count
                     )
 
-                critic_params, critic_opt_state, critic_metrics = self._updates(
-                    programs.apply_critic, critic_params, critic_opt_state, batch, ppo.critic_epochs,
-                    critic_grad, prefix="critic",
+                critic_params, critic_master, critic_opt_state, critic_metrics = self._updates(
+                    programs.apply_critic, critic_params, critic_master, critic_opt_state, batch,
+                    ppo.critic_epochs, critic_grad, prefix="critic",
                 )  # fmt: skip
                 metrics.update(critic_metrics)
 
             # (6) the actor, new log-probs under the same replayed routing.
-            actor_params, actor_opt_state = state.actor_params, state.actor_opt_state
+            actor_params, actor_master, actor_opt_state = (
+                state.actor_params,
+                state.actor_master,
+                state.actor_opt_state,
+            )
             if train_actor:
 
                 def actor_grad(params, i, count):
@@ -671,19 +705,21 @@ class Learner:
                         params, self._actor_rest, mbs[i], old_logprobs[i], advantages[i], count, replay
                     )
 
-                actor_params, actor_opt_state, actor_metrics = self._updates(
-                    programs.apply_actor, actor_params, actor_opt_state, batch, ppo.actor_epochs,
-                    actor_grad, prefix="actor",
+                actor_params, actor_master, actor_opt_state, actor_metrics = self._updates(
+                    programs.apply_actor, actor_params, actor_master, actor_opt_state, batch,
+                    ppo.actor_epochs, actor_grad, prefix="actor",
                 )  # fmt: skip
                 metrics.update(actor_metrics)
 
             new_state = LearnerState(
-                actor_params,
-                critic_params,
-                actor_opt_state,
-                critic_opt_state,
-                state.step + 1,
-                state.actor_version + int(train_actor),
+                actor_params=actor_params,
+                critic_params=critic_params,
+                actor_opt_state=actor_opt_state,
+                critic_opt_state=critic_opt_state,
+                step=state.step + 1,
+                actor_version=state.actor_version + int(train_actor),
+                actor_master=actor_master,
+                critic_master=critic_master,
             )
             host_metrics = {key: float(value) for key, value in jax.device_get(metrics).items()}
         self.state = new_state
@@ -706,18 +742,18 @@ class Learner:
             return programs.sft_grad(params, self._actor_rest, batch.micro_batches[i], count, replay)
 
         with self._mesh_context():
-            actor_params, actor_opt_state, metrics = self._updates(
-                programs.apply_actor, state.actor_params, state.actor_opt_state, batch, 1, sft_grad,
-                prefix="sft", minibatches=1,
+            actor_params, actor_master, actor_opt_state, metrics = self._updates(
+                programs.apply_actor, state.actor_params, state.actor_master, state.actor_opt_state,
+                batch, 1, sft_grad, prefix="sft", minibatches=1,
             )  # fmt: skip
             host_metrics = {key: float(value) for key, value in jax.device_get(metrics).items()}
-        self.state = LearnerState(
-            actor_params,
-            state.critic_params,
-            actor_opt_state,
-            state.critic_opt_state,
-            state.step + 1,
-            state.actor_version + 1,
+        self.state = dataclasses.replace(
+            state,
+            actor_params=actor_params,
+            actor_master=actor_master,
+            actor_opt_state=actor_opt_state,
+            step=state.step + 1,
+            actor_version=state.actor_version + 1,
         )
         host_metrics.update(_batch_metrics(batch, samples))
         host_metrics["time/step_sec"] = time.perf_counter() - started
@@ -729,6 +765,7 @@ class Learner:
         self,
         apply_fn: Callable,
         params,
+        master,
         opt_state,
         batch: PreparedBatch,
         epochs: int,
@@ -760,14 +797,14 @@ class Learner:
                                 start[key] = start.get(key, 0.0) + value
                         else:
                             totals[key] = totals.get(key, 0.0) + value
-                params, opt_state, grad_norm = apply_fn(params, opt_state, grads)
+                params, master, opt_state, grad_norm = apply_fn(params, master, opt_state, grads)
                 grad_norms.append(grad_norm)
         num_updates = len(grad_norms)
         metrics = {f"{prefix}/{key}": value / num_updates for key, value in totals.items()}
         metrics.update({f"{prefix}/{key}": value for key, value in start.items()})
         metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / num_updates
         metrics[f"{prefix}/num_updates"] = num_updates
-        return params, opt_state, metrics
+        return params, master, opt_state, metrics
 
 
 def batch_diagnostics(micro_batches, old_values, advantages, returns, old_logprobs) -> dict[str, jax.Array]:

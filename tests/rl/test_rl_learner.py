@@ -409,6 +409,51 @@ def test_plan_with_expert_and_context_parallelism_equals_the_single_device_step(
         Learner(*models, rl_config, plan=plan, mesh=make_mesh(fsdp=2, expert=2, tensor=2))
 
 
+def test_bfloat16_parameters_train_through_a_float32_master_copy(models, rl_config, samples):
+    """Parameters stored in bfloat16 (as the 122B runs) are updated through a float32 master: at
+    the paper's actor learning rate (1e-6, far below bfloat16's resolution of ~4e-3 relative)
+    Adam's first step moves every master entry with a gradient by lr (+ weight decay); the
+    parameters are the master's cast."""
+
+    def to_bfloat16(module):
+        graphdef, state = nnx.split(module)
+        cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, state)
+        return nnx.merge(graphdef, cast)
+
+    learning_rate = 1e-6
+    config = dataclasses.replace(
+        rl_config,
+        actor_optimizer=dataclasses.replace(rl_config.actor_optimizer, learning_rate=learning_rate),
+    )
+    learner = Learner(*(to_bfloat16(m) for m in models), config)
+    state = learner.state
+    for master, params in (
+        (state.actor_master, state.actor_params),
+        (state.critic_master, state.critic_params),
+    ):
+        assert {x.dtype for x in jax.tree.leaves(master)} == {jnp.dtype(jnp.float32)}
+        assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    before = params_of(state.actor_master)
+    learner.step(samples)
+    after, params = params_of(learner.state.actor_master), params_of(learner.state.actor_params)
+    steps = [np.abs(a - b) for a, b in zip(after, before, strict=True)]
+    largest = max(float(np.max(step)) for step in steps)
+    decay = (
+        config.actor_optimizer.weight_decay * learning_rate * max(float(np.max(np.abs(b))) for b in before)
+    )
+    assert learning_rate * 0.9 < largest <= learning_rate * 1.001 + decay
+    moved = sum(int(np.sum(step > 0.5 * learning_rate)) for step in steps)
+    assert moved > 0.5 * sum(step.size for step in steps)
+    for master, param in zip(after, params, strict=True):
+        np.testing.assert_array_equal(param, master.astype(jnp.bfloat16))
+    # Without the master, most of those steps would have been rounded away in bfloat16.
+    kept = sum(
+        int(np.sum(a.astype(jnp.bfloat16) != b.astype(jnp.bfloat16)))
+        for a, b in zip(after, before, strict=True)
+    )
+    assert kept < 0.1 * moved
+
+
 def test_critic_warmup_holds_the_actor_and_saves_critic_weights_only(models, rl_config, samples, tmp_path):
     learner = Learner(*models, rl_config)
     actor_before = params_of(learner.state.actor_params)
