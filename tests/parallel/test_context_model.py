@@ -106,9 +106,10 @@ def test_context_parallel_model_forward_matches_single_device(tiny_model, tiny_c
 
 
 @pytest.mark.slow
-def test_context_parallel_contiguous_layout_is_bit_exact(tiny_model, tiny_config):
+def test_context_parallel_contiguous_layout_matches_single_device(tiny_model, tiny_config):
     """No relayout (the sequence in contiguous order, shard s holding tokens [sT/D, (s+1)T/D)),
-    at D = 2 where XLA:CPU compiles the per-token ops identically."""
+    at D = 2. Not bit-exact: each shard runs the MoE on its own tokens, and XLA:CPU's matmuls of
+    another row count round differently (~1e-7 per logit); the routing is identical."""
     descriptor = _descriptor(2)
     segment_ids = descriptor.segment_ids()
     input_ids = _ids(tiny_config, descriptor, seed=1)
@@ -119,9 +120,7 @@ def test_context_parallel_contiguous_layout_is_bit_exact(tiny_model, tiny_config
     layout = ContextLayout.contiguous(*segment_ids.shape)
     state, batch = _placed(mesh, plan, state, layout.prepare(input_ids, segment_ids))
     logits, routing = _plan_forward(graphdef, plan, mesh)(state, batch, None)
-    np.testing.assert_array_equal(
-        np.asarray(logits)[segment_ids != 0], np.asarray(want_logits)[segment_ids != 0]
-    )
+    assert _relative(logits, want_logits, segment_ids != 0) < 1e-5
     np.testing.assert_array_equal(np.asarray(routing), np.asarray(want_routing))
 
 
