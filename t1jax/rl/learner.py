@@ -330,6 +330,26 @@ def _programs(*key) -> _Programs:
     return _Programs(*key)
 
 
+def learner_programs(
+    actor_graphdef, critic_graphdef, config: RLConfig, mesh, plan: ShardingPlan | None = None
+) -> _Programs:
+    """The jitted programs a `Learner` runs (cached): `actor_grad`, `critic_grad`, `logprobs`,
+    `values`, `apply_actor`, ... `mesh` may be an `AbstractMesh` for lowering without devices
+    (`t1jax.parallel.lowering.lower_learner_updates`)."""
+    return _programs(
+        actor_graphdef,
+        critic_graphdef,
+        config.ppo.clip_eps,
+        config.ppo.value_clip_eps,
+        config.advantages.gamma,
+        config.advantages.lam,
+        config.actor_optimizer,
+        config.critic_optimizer,
+        mesh,
+        plan,
+    )
+
+
 def _float32(tree):
     return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
@@ -410,18 +430,7 @@ class Learner:
             actor_params = jax.tree.map(jnp.copy, actor_params)
             critic_params = jax.tree.map(jnp.copy, critic_params)
         self._actor_graphdef, self._critic_graphdef = actor_graphdef, critic_graphdef
-        self._programs = _programs(
-            actor_graphdef,
-            critic_graphdef,
-            config.ppo.clip_eps,
-            config.ppo.value_clip_eps,
-            config.advantages.gamma,
-            config.advantages.lam,
-            config.actor_optimizer,
-            config.critic_optimizer,
-            mesh,
-            plan,
-        )
+        self._programs = learner_programs(actor_graphdef, critic_graphdef, config, mesh, plan)
         if mesh is not None:
             actor_params = jax.device_put(actor_params, state_shardings(actor_params, mesh, self._rules))
             critic_params = jax.device_put(critic_params, state_shardings(critic_params, mesh, self._rules))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from t1jax.model import load_config
-from t1jax.parallel.lowering import lower_actor_step
+from t1jax.parallel.lowering import lower_actor_step, lower_learner_updates
 from t1jax.parallel.plan import ShardingPlan, load_plan
 from t1jax.parallel.planner import padded_tokens
 from tests.model.model_helpers import REPO
@@ -35,3 +35,25 @@ def test_122b_actor_step_lowers_at_84k_tokens(plan_name):
     report = lower_actor_step(config, plan, tokens)
     assert report.parameters == pytest.approx(122.1e9, rel=1e-3)
     assert "ragged_all_to_all" in report.lowered.as_text()
+
+
+def test_learner_programs_lower_for_a_512_device_tpu_mesh(tiny_config):
+    """The programs `Learner.step` runs (not a stand-in step) under a plan using every axis."""
+    plan = ShardingPlan(data=4, fsdp=2, expert=8, context=4, tensor=2, moe_collective="ragged")
+    reports = lower_learner_updates(tiny_config, plan, 1024)
+    assert set(reports) == {"actor_grad", "critic_grad"}
+    for report in reports.values():
+        text = report.lowered.as_text()
+        assert report.platform == "tpu" and report.parameters > 0
+        assert "ragged_all_to_all" in text  # expert dispatch
+        assert "collective_permute" in text  # the context-parallel state relay
+
+
+@pytest.mark.slow
+def test_122b_learner_programs_lower_at_84k_tokens():
+    config = load_config(REPO / "configs" / "qwen35_122b_a10b.yaml")
+    plan = load_plan("qwen35_122b_a10b_256_cp4")
+    reports = lower_learner_updates(config, plan, padded_tokens(84_000, plan, 64))
+    assert reports["actor_grad"].parameters == pytest.approx(122.1e9, rel=1e-3)
+    for report in reports.values():
+        assert "ragged_all_to_all" in report.lowered.as_text()
