@@ -8,11 +8,13 @@
 Modules (each states its invariants): `reward` (Eq. 20 and variants, fallback table), `advantages`
 (GAE over stitched streams, Eq. 16), `losses` (Eq. 17, 18, SFT), `diagnostics` (Eq. 15, 19,
 global reductions), `batching` (samples -> prediction-row micro-batches), `optim` (AdamW per role),
-`config` (YAML), `learner` (critic first, replayed routing, critic warm-up, SFT step).
+`config` (YAML), `learner` (critic first, replayed routing, critic warm-up, SFT step),
+`checkpoint` (orbax checkpoints of the learner state).
 """
 
 from t1jax.rl.advantages import gae_advantages, normalize_advantages
 from t1jax.rl.batching import BatchingConfig, TrainBatch, build_micro_batches, total_loss_tokens
+from t1jax.rl.checkpoint import LearnerCheckpoints
 from t1jax.rl.config import (
     AdvantageConfig,
     CriticWarmupConfig,
@@ -40,6 +42,7 @@ __all__ = [
     "BatchingConfig",
     "CriticWarmupConfig",
     "Learner",
+    "LearnerCheckpoints",
     "LearnerState",
     "Moments",
     "OptimizerConfig",

@@ -474,6 +474,26 @@ class Learner:
     def retained_versions(self) -> tuple[int, ...]:
         return tuple(sorted(self._retained))
 
+    def restore_state(self, state: LearnerState) -> None:
+        """Adopt `state` (e.g. from `t1jax.rl.checkpoint`): it must have the current state's tree,
+        shapes and dtypes. Retained published versions are dropped (they belong to the run before
+        the restore): publish the restored actor before generating with it."""
+        if jax.tree.structure(self.state) != jax.tree.structure(state):
+            raise ValueError("the state's tree does not match this learner's (another model or optimizer?)")
+        mismatched = [
+            jax.tree_util.keystr(path)
+            for (path, mine), theirs in zip(
+                jax.tree_util.tree_leaves_with_path(self.state), jax.tree.leaves(state), strict=True
+            )
+            if mine.shape != theirs.shape or mine.dtype != theirs.dtype
+        ]
+        if mismatched:
+            raise ValueError(
+                f"the state does not match this learner at {mismatched[:3]} ({len(mismatched)} arrays)"
+            )
+        self.state = state
+        self._retained.clear()
+
     def _behaviour_params(self, batch: PreparedBatch):
         """Actor weights of the policy that generated `batch` (see `PPOConfig.behaviour_policy`)."""
         version = batch.policy_version
