@@ -69,12 +69,10 @@ from t1jax.parallel.plan import MESH_AXES, ShardingPlan
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "configs" / "capacity"
-TERMS = (
-    "weights",
-    "batch",
-    "gradients",
-    "optimizer",
-    "boundary",
+# Terms computed exactly from shapes, and terms scaled by a calibrated coefficient (in the order
+# of `fit_calibration`'s unknowns; the residue b0 is the last unknown).
+EXACT_TERMS = ("weights", "batch", "gradients", "optimizer", "boundary")
+FITTED_TERMS = (
     "layer",
     "dispatch",
     "ragged_dense",
@@ -82,8 +80,8 @@ TERMS = (
     "attention_scores",
     "attention_mask",
     "logits",
-    "residue",
 )
+TERMS = (*EXACT_TERMS, *FITTED_TERMS, "residue")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -582,22 +580,8 @@ def measure(config: Qwen35MoeConfig, plan: ShardingPlan, tokens: int, assumption
 
 def _features(config, plan, tokens, assumptions) -> tuple[float, np.ndarray]:
     raw = structural_terms(config, plan, tokens, assumptions)
-    exact = sum(raw[name] for name in ("weights", "batch", "gradients", "optimizer", "boundary"))
-    fitted = np.array(
-        [
-            raw[name]
-            for name in (
-                "layer",
-                "dispatch",
-                "ragged_dense",
-                "saved",
-                "attention_scores",
-                "attention_mask",
-                "logits",
-            )
-        ]
-        + [1.0]
-    )
+    exact = sum(raw[name] for name in EXACT_TERMS)
+    fitted = np.array([raw[name] for name in FITTED_TERMS] + [1.0])
     return exact, fitted
 
 
