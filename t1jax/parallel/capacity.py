@@ -323,7 +323,11 @@ def structural_terms(
     # The dispatched rows and their expert intermediates (k per token; with expert parallelism
     # the worst-case receive buffer), and the padded collective's blocks out and back.
     dispatch = rows_per_token * (2 * hidden + 3 * inter) * compute
-    if eta > 1 and plan.moe_collective != "ragged":
+    # "auto" is the ragged all-to-all except on CPU (where ragged_dot is dense too): padded there.
+    padded = plan.moe_collective == "padded" or (
+        plan.moe_collective == "auto" and assumptions.ragged_dot == "dense"
+    )
+    if eta > 1 and padded:
         dispatch += 2 * rows_per_token * hidden * compute
     ragged = rows_per_token * local_experts * (2 * hidden + inter) * compute
     if assumptions.ragged_dot == "grouped":

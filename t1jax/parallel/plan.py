@@ -36,13 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from t1jax.parallel import rules as logical
 
-MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+MESH_AXES = logical.MESH_AXES
 BATCH_AXES = ("data", "fsdp", "expert")
 PLANS_DIR = Path(__file__).resolve().parents[2] / "configs" / "plans"
 REMAT_POLICIES = ("none", "layer")
@@ -161,21 +160,13 @@ def _mesh_shape(plan: ShardingPlan) -> tuple[int, ...]:
 
 
 def make_mesh(plan: ShardingPlan, devices: Sequence | None = None) -> Mesh:
-    """The plan's mesh (Auto axis types, so GSPMD propagates shardings between constraints) over
-    the first ``plan.devices`` of ``devices`` (default: all devices)."""
-    shape = _mesh_shape(plan)
-    devices = list(jax.devices() if devices is None else devices)
-    if len(devices) < plan.devices:
-        raise ValueError(
-            f"plan {plan.name!r} ({plan.label()}) needs {plan.devices} devices, got {len(devices)}"
-        )
-    devices = devices[: plan.devices]
-    try:
-        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
-    except (ValueError, NotImplementedError):
-        # make_mesh refuses some device subsets on real topologies; a plain grid is always valid.
-        grid = np.asarray(devices, dtype=object).reshape(shape)
-        return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
+    """The plan's mesh (``t1jax.parallel.rules.make_mesh`` with the plan's degrees) over the
+    first ``plan.devices`` of ``devices`` (default: all devices)."""
+    _mesh_shape(plan)  # refuses a pipeline degree
+    available = len(jax.devices()) if devices is None else len(devices)
+    if available < plan.devices:
+        raise ValueError(f"plan {plan.name!r} ({plan.label()}) needs {plan.devices} devices, got {available}")
+    return logical.make_mesh(**plan.degrees, devices=devices)
 
 
 def abstract_mesh(plan: ShardingPlan) -> jax.sharding.AbstractMesh:

@@ -25,7 +25,9 @@ import jax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# Every mesh in t1jax has these axes, in this order (sizes 1 where unused). `context` splits the
+# sequence; only the trainer's sharding plans use it (`t1jax.parallel.plan`).
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 # Logical names of parameter dimensions.
 VOCAB = "vocab"
@@ -78,21 +80,35 @@ DEFAULT_RULES: LogicalRules = (
 
 
 def make_mesh(
-    data: int = 1, fsdp: int = 1, expert: int = 1, tensor: int = 1, *, devices: Sequence | None = None
+    data: int = 1,
+    fsdp: int = 1,
+    expert: int = 1,
+    tensor: int = 1,
+    *,
+    context: int = 1,
+    devices: Sequence | None = None,
 ) -> Mesh:
-    """A mesh with the four named axes (Auto axis types, so GSPMD propagates shardings)."""
+    """A mesh with the named axes `MESH_AXES` (Auto axis types, so GSPMD propagates shardings)
+    over the first data x fsdp x expert x context x tensor of `devices` (default: all), in the
+    device order `jax.make_mesh` picks for the topology where it can."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = (data, fsdp, expert, tensor)
+    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor}
+    for axis, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"mesh axis {axis} must be a positive int, got {size!r}")
+    shape = tuple(sizes[axis] for axis in MESH_AXES)
     needed = math.prod(shape)
     if needed > len(devices):
-        raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, shape, strict=True))} needs {needed} devices, "
-            f"only {len(devices)} available"
-        )
-    import numpy as np
+        raise ValueError(f"mesh {sizes} needs {needed} devices, only {len(devices)} available")
+    devices = devices[:needed]
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except (ValueError, NotImplementedError):
+        # make_mesh refuses some device subsets on real topologies; a plain grid is always valid.
+        import numpy as np
 
-    grid = np.asarray(devices[:needed], dtype=object).reshape(shape)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+        return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES, axis_types=axis_types)
 
 
 def _rules_dict(rules: LogicalRules) -> dict[str, tuple[str, ...]]:

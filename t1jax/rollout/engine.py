@@ -93,6 +93,10 @@ class EngineConfig:
                 raise ValueError(
                     f"EngineConfig.mesh_shape names unknown axes {sorted(unknown)}; known: {MESH_AXES}"
                 )
+            if self.mesh_shape.get("context", 1) != 1:
+                raise ValueError(
+                    "EngineConfig.mesh_shape: the sampler does not split sequences (context must be 1)"
+                )
 
 
 class EngineClosed(RuntimeError):

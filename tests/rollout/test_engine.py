@@ -22,7 +22,7 @@ from rollout_helpers import (
 )
 
 from t1jax.parallel.rules import make_mesh, state_shardings
-from t1jax.rollout.engine import EngineClosed, JaxEngine
+from t1jax.rollout.engine import EngineClosed, EngineConfig, JaxEngine
 from t1jax.rollout.types import FinishReason, GenerateRequest
 
 BLOCK = TEST_ENGINE_CONFIG.block_size
@@ -104,8 +104,10 @@ def test_stop_tokens_length_and_the_context_window(engine, prompt_rng):
 
 def test_step_functions_compile_once_whatever_the_lengths(engine, prompt_rng):
     for length in (1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 3):
-        engine.generate([request(random_prompt(prompt_rng, length), max_new_tokens=3)])
-    engine.generate([request(random_prompt(prompt_rng, 2 * BLOCK + 3), max_new_tokens=3)])  # a hit
+        prompt = random_prompt(prompt_rng, length)
+        engine.generate([request(prompt, max_new_tokens=3)])
+    # A prefix of the last prompt: its first blocks are cached, so this one restores them.
+    engine.generate([request(prompt[: 2 * BLOCK + 3], max_new_tokens=3)])
     assert set(engine.compile_counts) == {"prefill", "decode", "snapshot", "restore_block", "reset_row"}
     assert all(count == 1 for count in engine.compile_counts.values()), dict(engine.compile_counts)
 
@@ -298,3 +300,17 @@ def test_a_closed_engine_refuses_work(policy):
         short_lived.generate([request([1, 2, 3])])
     with pytest.raises(EngineClosed):
         short_lived.publish(nnx.state(policy, nnx.Param), 1)
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"max_batch": 0}, "max_batch must be positive"),
+        ({"prefix_cache_bytes": -1}, "prefix_cache_bytes"),
+        ({"mesh_shape": {"pipeline": 2}}, r"unknown axes \['pipeline'\]"),
+        ({"mesh_shape": {"context": 2}}, "does not split sequences"),
+    ],
+)
+def test_bad_engine_configs_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**fields)
