@@ -417,6 +417,14 @@ class Learner:
         self.mesh = mesh
         self.plan = plan
         self._rules = DEFAULT_RULES if plan is None else plan_rules(plan)
+        if plan is not None and plan.context > 1:  # refuse now, not at the first batch
+            unit = plan.context * CONTEXT_CHUNK
+            bad = [b for b in config.batching.row_length_buckets if b % unit]
+            if bad:
+                raise ValueError(
+                    f"batching.row_length_buckets {bad} do not split into context={plan.context} shards "
+                    f"of whole {CONTEXT_CHUNK}-token chunks: use multiples of {unit}"
+                )
         # Replay records are checked on the host against the actor's MoE shape: inside jit the
         # model cannot check them, and an out-of-range expert id turns the update into NaNs.
         self._actor_config = getattr(actor, "config", None)
