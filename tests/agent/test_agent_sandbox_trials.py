@@ -122,9 +122,11 @@ def compacting_policy():
                 return "The report is written.\n\n" + policies.complete()
             if policies.previous_replies(call) == 0:
                 return "Writing the outputs now.\n\n" + policies.shell(SOLVE_SALES, 2.0)
-            return "Checking.\n\n" + policies.shell("cat /app/clean.csv; cat $REPORT_PATH", 0.3)
+            return "Checking.\n\n" + policies.shell("cat /app/clean.csv; cat $REPORT_PATH", 1.0)
         step = policies.previous_replies(call) % len(explore)
-        return f"Exploring (step {step}).\n\n" + policies.shell(explore[step], 0.3)
+        # 1 s per command: on a loaded machine a shorter wait can read a command's output before
+        # it is printed, and the exploration then takes more turns to fill the context.
+        return f"Exploring (step {step}).\n\n" + policies.shell(explore[step], 1.0)
 
     return policy
 
@@ -136,7 +138,7 @@ def test_context_compaction_then_solving_from_the_summary(backend):
         summary_max_tokens=256,
         min_turn_tokens=128,
         observation_reserve_tokens=128,
-        max_turns=16,
+        max_turns=24,  # headroom for a loaded machine, where exploration can take more turns
         max_output_bytes=800,
         recent_output_bytes=200,
     )
