@@ -89,8 +89,12 @@ def make_mesh(
     devices: Sequence | None = None,
 ) -> Mesh:
     """A mesh with the named axes `MESH_AXES` (Auto axis types, so GSPMD propagates shardings)
-    over the first data x fsdp x expert x context x tensor of `devices` (default: all), in the
-    device order `jax.make_mesh` picks for the topology where it can."""
+    over the first data x fsdp x expert x context x tensor of `devices` (default: all), in a
+    topology-aware device order where the devices have one (physical axes may be split across
+    logical ones), else in the given order."""
+    import numpy as np
+    from jax.experimental import mesh_utils
+
     devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": data, "fsdp": fsdp, "expert": expert, "context": context, "tensor": tensor}
     for axis, size in sizes.items():
@@ -101,14 +105,12 @@ def make_mesh(
     if needed > len(devices):
         raise ValueError(f"mesh {sizes} needs {needed} devices, only {len(devices)} available")
     devices = devices[:needed]
-    axis_types = (AxisType.Auto,) * len(MESH_AXES)
     try:
-        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
-    except (ValueError, NotImplementedError):
-        # make_mesh refuses some device subsets on real topologies; a plain grid is always valid.
-        import numpy as np
-
-        return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES, axis_types=axis_types)
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except ValueError:
+        # Device sets without a usable topology (e.g. several slices): the order given.
+        grid = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def _rules_dict(rules: LogicalRules) -> dict[str, tuple[str, ...]]:
