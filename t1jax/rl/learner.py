@@ -69,7 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from t1jax.model.moe import validate_routing_replay
 from t1jax.ops.context_parallel import PackedSequenceDescriptor
@@ -77,8 +77,6 @@ from t1jax.parallel.context import ContextLayout, LayoutIndex
 from t1jax.parallel.forward import parallel_forward
 from t1jax.parallel.plan import (
     ShardingPlan,
-    batch_axes_for,
-    batch_sharding,
     optimizer_shardings,
     plan_rules,
 )
@@ -358,6 +356,19 @@ def _float32(tree):
 CONTEXT_CHUNK = 64
 
 
+def _require_context_split(plan: ShardingPlan | None, lengths: Iterable[int], what: str) -> None:
+    """Row lengths must split into `plan.context` shards of whole Gated DeltaNet chunks."""
+    if plan is None or plan.context == 1:
+        return
+    unit = plan.context * CONTEXT_CHUNK
+    bad = sorted({n for n in lengths if n % unit})
+    if bad:
+        raise ValueError(
+            f"{what} {bad} do not split into context={plan.context} shards of whole "
+            f"{CONTEXT_CHUNK}-token chunks: use multiples of {unit}"
+        )
+
+
 @functools.lru_cache(maxsize=32)
 def _interleaved_order(length: int, context: int) -> tuple[np.ndarray, np.ndarray]:
     """(order, slot) of the zigzag layout of a whole row: layout slot t holds stream position
@@ -372,7 +383,7 @@ def _plan_mesh(plan: ShardingPlan, mesh: Mesh | None) -> Mesh:
     """The plan's mesh; a given `mesh` must be one (its axes and sizes are the plan's)."""
     if mesh is None:
         return make_plan_mesh(plan)
-    want = {axis: size for axis, size in plan.degrees.items()}
+    want = plan.degrees
     got = dict(mesh.shape)
     if got != want:
         raise ValueError(
@@ -417,14 +428,7 @@ class Learner:
         self.mesh = mesh
         self.plan = plan
         self._rules = DEFAULT_RULES if plan is None else plan_rules(plan)
-        if plan is not None and plan.context > 1:  # refuse now, not at the first batch
-            unit = plan.context * CONTEXT_CHUNK
-            bad = [b for b in config.batching.row_length_buckets if b % unit]
-            if bad:
-                raise ValueError(
-                    f"batching.row_length_buckets {bad} do not split into context={plan.context} shards "
-                    f"of whole {CONTEXT_CHUNK}-token chunks: use multiples of {unit}"
-                )
+        _require_context_split(plan, config.batching.row_length_buckets, "batching.row_length_buckets")
         # Replay records are checked on the host against the actor's MoE shape: inside jit the
         # model cannot check them, and an out-of-range expert id turns the update into NaNs.
         self._actor_config = getattr(actor, "config", None)
@@ -526,20 +530,19 @@ class Learner:
     def _mesh_context(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
-    def _row_spec(self, rank: int, rows: int) -> PartitionSpec:
-        logical = (ACT_BATCH, ACT_LENGTH) + (None,) * (rank - 2)
-        return resolve_spec(logical, (rows,) + (1,) * (rank - 1), self.mesh)
+    def _batch_sharding(self, shape: tuple[int, ...]) -> NamedSharding:
+        """[B, T, ...]: rows over the batch axes, the sequence over context under a plan."""
+        logical = (ACT_BATCH, ACT_LENGTH) + (None,) * (len(shape) - 2)
+        return NamedSharding(self.mesh, resolve_spec(logical, shape, self.mesh, self._rules))
 
     @property
     def data_parallel_size(self) -> int:
         """How many ways the rows of a micro-batch are split (product of the mesh's batch axes)."""
         if self.mesh is None:
             return 1
-        if self.plan is not None:
-            axes = batch_axes_for(self.mesh, self.plan, math.prod(self.mesh.shape.values()))
-            return math.prod(self.mesh.shape[axis] for axis in axes)
-        spec = self._row_spec(rank=2, rows=math.prod(self.mesh.shape.values()))
-        axes = spec[0] if isinstance(spec[0], tuple) else () if spec[0] is None else (spec[0],)
+        rows = math.prod(self.mesh.shape.values())
+        entry = resolve_spec((ACT_BATCH,), (rows,), self.mesh, self._rules)[0]
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         return math.prod(self.mesh.shape[axis] for axis in axes)
 
     def put(self, micro_batches: Sequence[TrainBatch], *, policy_version: int | None = None) -> PreparedBatch:
@@ -556,27 +559,12 @@ class Learner:
                 f"{self.data_parallel_size}"
             )
         self._check_routing(micro_batches)
-        if self.plan is not None and self.plan.context > 1:
-            unit = self.plan.context * CONTEXT_CHUNK
-            lengths = sorted({mb.input_ids.shape[1] for mb in micro_batches if mb.input_ids.shape[1] % unit})
-            if lengths:
-                raise ValueError(
-                    f"row lengths {lengths} do not split into context={self.plan.context} shards of whole "
-                    f"{CONTEXT_CHUNK}-token chunks: use row_length_buckets that are multiples of {unit}"
-                )
+        _require_context_split(self.plan, [mb.input_ids.shape[1] for mb in micro_batches], "row lengths")
         if self.mesh is None:
             placed = [jax.device_put(mb) for mb in micro_batches]
-        elif self.plan is not None:
-            placed = [
-                jax.tree.map(lambda x: jax.device_put(x, batch_sharding(self.mesh, self.plan, x.shape)), mb)
-                for mb in micro_batches
-            ]
         else:
             placed = [
-                jax.tree.map(
-                    lambda x: jax.device_put(x, NamedSharding(self.mesh, self._row_spec(x.ndim, x.shape[0]))),
-                    mb,
-                )
+                jax.tree.map(lambda x: jax.device_put(x, self._batch_sharding(x.shape)), mb)
                 for mb in micro_batches
             ]
         return PreparedBatch(placed, loss_tokens, policy_version)
