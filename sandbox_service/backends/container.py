@@ -341,6 +341,9 @@ def require_toolchain(directory: Path) -> Toolchain:
 class ContainerSandbox(abc.ABC):
     """A `Sandbox` driven through `_run`; subclasses implement `_run` and `_terminate`."""
 
+    # What the container is called in errors ("pod", "Modal sandbox").
+    container_kind = "container"
+
     def __init__(
         self,
         sandbox_id: str,
@@ -367,6 +370,17 @@ class ContainerSandbox(abc.ABC):
     @abc.abstractmethod
     def _terminate(self) -> None:
         """Destroy the container (idempotent; may run while a `_run` is in flight)."""
+
+    def prepare(self) -> None:
+        """Create the directories Harbor tasks expect and fail fast if the image lacks bash."""
+        script = f"mkdir -p {AGENT_LOG_DIR} {VERIFIER_LOG_DIR} {STATE_DIR} && echo T1JAX_READY\n".encode()
+        output = self._run(bootstrap_argv(script), script, 120.0)
+        if b"T1JAX_READY" not in output.stdout:
+            detail = output.stderr[-1000:].decode("utf-8", "replace")
+            raise BackendError(
+                f"{self.container_kind} {self.sandbox_id} runs, but a bash script failed in it "
+                f"(the image needs bash, coreutils and tar): {detail}"
+            )
 
     # ---- Sandbox contract ----------------------------------------------------------------------------
 

@@ -39,13 +39,9 @@ from typing import Any
 
 from sandbox_service import wire
 from sandbox_service.backends.container import (
-    AGENT_LOG_DIR,
     DEFAULT_OUTPUT_LIMIT_BYTES,
-    STATE_DIR,
-    VERIFIER_LOG_DIR,
     ContainerSandbox,
     RunOutput,
-    bootstrap_argv,
     require_toolchain,
 )
 from sandbox_service.contracts import Task
@@ -405,6 +401,8 @@ class KubernetesBackend:
 class KubernetesSandbox(ContainerSandbox):
     """One Pod. `verify()` and the other calls come from `ContainerSandbox`."""
 
+    container_kind = "pod"
+
     def __init__(self, backend: KubernetesBackend, pod_name: str, task: Task):
         super().__init__(
             pod_name,
@@ -413,17 +411,6 @@ class KubernetesSandbox(ContainerSandbox):
             output_limit_bytes=backend.config.output_limit_bytes,
         )
         self._backend = backend
-
-    def prepare(self) -> None:
-        """Create the directories Harbor tasks expect and fail fast if the image lacks bash."""
-        script = f"mkdir -p {AGENT_LOG_DIR} {VERIFIER_LOG_DIR} {STATE_DIR} && echo T1JAX_READY\n".encode()
-        output = self._run(bootstrap_argv(script), script, 120.0)
-        if b"T1JAX_READY" not in output.stdout:
-            raise BackendError(
-                f"pod {self.sandbox_id} runs, but a bash script failed in it "
-                "(the image needs bash, coreutils "
-                f"and tar): {output.stderr[-1000:].decode('utf-8', 'replace')}"
-            )
 
     def _run(self, argv: list[str], stdin: bytes, timeout_sec: float) -> RunOutput:
         return self._backend.exec_in_pod(self.sandbox_id, argv, stdin, timeout_sec)

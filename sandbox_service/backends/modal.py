@@ -27,13 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_service.backends.container import (
-    AGENT_LOG_DIR,
     DEFAULT_OUTPUT_LIMIT_BYTES,
-    STATE_DIR,
-    VERIFIER_LOG_DIR,
     ContainerSandbox,
     RunOutput,
-    bootstrap_argv,
     require_toolchain,
 )
 from sandbox_service.backends.kubernetes import KEEPALIVE_COMMAND, LABEL_RUN, LABEL_SANDBOX, LABEL_TASK
@@ -146,6 +142,8 @@ class ModalBackend:
 
 
 class ModalSandbox(ContainerSandbox):
+    container_kind = "Modal sandbox"
+
     def __init__(self, backend: ModalBackend, handle: Any, sandbox_id: str, task: Task):
         super().__init__(
             sandbox_id,
@@ -158,16 +156,6 @@ class ModalSandbox(ContainerSandbox):
     @property
     def modal_object_id(self) -> str:
         return self._handle.object_id
-
-    def prepare(self) -> None:
-        script = f"mkdir -p {AGENT_LOG_DIR} {VERIFIER_LOG_DIR} {STATE_DIR} && echo T1JAX_READY\n".encode()
-        output = self._run(bootstrap_argv(script), script, 120.0)
-        if b"T1JAX_READY" not in output.stdout:
-            raise BackendError(
-                f"Modal sandbox {self.sandbox_id} runs, but a bash script failed in it "
-                "(the image needs bash, "
-                f"coreutils and tar): {output.stderr[-1000:].decode('utf-8', 'replace')}"
-            )
 
     def _run(self, argv: list[str], stdin: bytes, timeout_sec: float) -> RunOutput:
         process = self._handle.exec(*argv, timeout=int(math.ceil(timeout_sec)), text=False)
