@@ -36,6 +36,7 @@ import collections
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -60,8 +61,8 @@ from t1jax.parallel.rules import (
 )
 from t1jax.rollout.prefix_cache import PrefixCache, block_keys
 from t1jax.rollout.sampling import sample, split_seed
-from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult
-from t1jax.rollout.validation import checked_prompt
+from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplerTimeout
+from t1jax.rollout.validation import checked_prompt, wait_all
 from t1jax.rollout.weights import conform_params, place
 
 logger = logging.getLogger(__name__)
@@ -200,9 +201,12 @@ class JaxEngine:
     def policy_version(self) -> int:
         return self._version
 
-    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+    def generate(
+        self, requests: Sequence[GenerateRequest], *, timeout_sec: float | None = None
+    ) -> list[GenerateResult]:
         """Serve every request (blocking, thread-safe); results in request order. Invalid
-        requests raise ValueError before anything is queued."""
+        requests raise ValueError before anything is queued. With `timeout_sec`, requests not
+        served in time are aborted and `SamplerTimeout` names them."""
         works = [_Work(request, self._checked_prompt(request)) for request in requests]
         ids = [work.request_id for work in works]
         if len(set(ids)) != len(ids):
@@ -218,8 +222,11 @@ class JaxEngine:
                 self._known[work.request_id] = work
                 self._waiting.append(work)
             self._cv.notify_all()
-        for work in works:
-            work.done.wait()
+        try:
+            wait_all([work.done for work in works], ids, timeout_sec)
+        except SamplerTimeout:
+            self.abort(ids)  # a live engine frees the slots; a hung one cannot, and the caller knows
+            raise
         for work in works:
             if isinstance(work.error, EngineClosed):
                 raise work.error
@@ -232,11 +239,16 @@ class JaxEngine:
             self._abort_ids.update(i for i in request_ids if i in self._known)
             self._cv.notify_all()
 
-    def publish(self, params: Any, version: int, *, abort_in_flight: bool = False) -> None:
+    def publish(
+        self, params: Any, version: int, *, abort_in_flight: bool = False, timeout_sec: float | None = None
+    ) -> None:
         """Install `params` (nnx.Module / nnx.State / nested mapping) as policy `version` at a
         barrier: admission stops, in-flight requests finish (or, with `abort_in_flight`, are
         aborted), weights swap, the prefix cache is cleared, admission resumes. A tree of the
-        wrong structure, shapes or dtypes raises ValueError and changes nothing."""
+        wrong structure, shapes or dtypes raises ValueError and changes nothing. Placing the
+        arrays on the sampler's devices is a bulk transfer and has no deadline; the barrier does:
+        when it is not reached within `timeout_sec`, the publication is withdrawn (the old
+        version keeps serving) and `SamplerTimeout` is raised."""
         if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {type(version).__name__}")
         with self._publish_lock:
@@ -253,9 +265,24 @@ class JaxEngine:
                     "error": None,
                 }
                 self._cv.notify_all()
-            done.wait()
+            if not done.wait(timeout_sec):
+                with self._cv:
+                    withdrawn = self._publication is publication
+                    if withdrawn:
+                        self._publication = None
+                        self._cv.notify_all()
+                if withdrawn:
+                    raise SamplerTimeout("publish", timeout_sec, [w.request_id for w in self._slots if w])
+                done.wait()  # the scheduler took it just now: it completes without waiting more
             if publication["error"] is not None:
                 raise EngineClosed("the sampler engine was closed before the publication took effect")
+
+    def probe(self, timeout_sec: float) -> float:
+        """Seconds the scheduler thread took to run a no-op between device steps; `SamplerTimeout`
+        when it does not within `timeout_sec` (a device step or the thread itself is stuck)."""
+        started = time.monotonic()
+        self._run_on_scheduler(lambda: None, timeout_sec=timeout_sec, operation="probe")
+        return time.monotonic() - started
 
     def progress(self, request_id: str) -> int | None:
         """Tokens generated so far for an undelivered request, or None if unknown/delivered."""
@@ -441,7 +468,7 @@ class JaxEngine:
             try:
                 for task in tasks:
                     task()
-                self._apply_aborts(aborts)
+                admitted = self._apply_aborts(aborts, admitted)
                 if publication is not None:
                     self._progress_publication(publication)
                 for work in admitted:
@@ -471,7 +498,7 @@ class JaxEngine:
             admitted.append(self._waiting.popleft())
         return admitted
 
-    def _run_on_scheduler(self, task) -> None:
+    def _run_on_scheduler(self, task, *, timeout_sec: float | None = None, operation: str = "task") -> None:
         done = threading.Event()
 
         def wrapped():
@@ -485,7 +512,7 @@ class JaxEngine:
                 raise EngineClosed("the sampler engine is closed")
             self._tasks.append(wrapped)
             self._cv.notify_all()
-        done.wait()
+        wait_all([done], [], timeout_sec, operation=operation)
 
     # ---- admission and the prefix cache ------------------------------------------------------
     def _admit(self, work: _Work) -> None:
@@ -641,18 +668,23 @@ class JaxEngine:
             self._known.pop(work.request_id, None)
         work.done.set()
 
-    def _apply_aborts(self, ids: set[str]) -> None:
+    def _apply_aborts(self, ids: set[str], admitted: list[_Work]) -> list[_Work]:
+        """Finish every aborted request, wherever it is: still waiting, taken for admission in
+        this very iteration (an abort must not be lost in that gap), or in a slot. Returns the
+        admitted works that remain."""
         if not ids:
-            return
+            return admitted
         with self._cv:
             waiting = [w for w in self._waiting if w.request_id in ids]
             for work in waiting:
                 self._waiting.remove(work)
+        waiting += [w for w in admitted if w.request_id in ids]
         for work in waiting:
             self._finish(work, FinishReason.ABORT)
         for work in list(self._slots):
             if work is not None and work.request_id in ids:
                 self._finish(work, FinishReason.ABORT)
+        return [w for w in admitted if w.request_id not in ids]
 
     def _progress_publication(self, publication: dict[str, Any]) -> None:
         if publication["abort"]:
@@ -661,12 +693,15 @@ class JaxEngine:
                     self._finish(work, FinishReason.ABORT)
         if any(slot is not None for slot in self._slots):
             return  # the barrier waits for in-flight requests to finish
-        self._state = publication["state"]
-        self._version = publication["version"]
-        self.prefix_cache.clear()
         with self._cv:
+            if self._publication is not publication:
+                return  # withdrawn by a publish that timed out
             self._publication = None
-        publication["done"].set()
+            self._state = publication["state"]
+            self._version = publication["version"]
+            # Set under the lock: a publish that times out now sees it done, not withdrawable.
+            publication["done"].set()
+        self.prefix_cache.clear()
 
     def _fail_in_flight(self, error: BaseException) -> None:
         for slot, work in enumerate(self._slots):

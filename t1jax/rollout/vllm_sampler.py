@@ -37,13 +37,14 @@ import collections
 import importlib.util
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
-from t1jax.rollout.validation import checked_prompt
+from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplerTimeout, SamplingParams
+from t1jax.rollout.validation import checked_prompt, wait_all
 
 FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 PROCESSED, RAW = "processed_logprobs", "raw_logprobs"
@@ -328,6 +329,7 @@ class VllmSampler:
         self._abort_ids: set[str] = set()
         self._publication: dict[str, Any] | None = None
         self._publish_lock = threading.Lock()
+        self._probes: list[threading.Event] = []
         self._closed = False
         self._set_weight_version(self._version)
         self._thread = threading.Thread(target=self._drive, name="t1jax-vllm-driver", daemon=True)
@@ -380,7 +382,9 @@ class VllmSampler:
     def policy_version(self) -> int:
         return self._version
 
-    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+    def generate(
+        self, requests: Sequence[GenerateRequest], *, timeout_sec: float | None = None
+    ) -> list[GenerateResult]:
         pending = [_Pending(self._checked(request)) for request in requests]
         for item in pending:  # built here so that vLLM's own validation errors reach the caller
             try:
@@ -400,8 +404,11 @@ class VllmSampler:
                 raise ValueError(f"request ids already in flight: {busy}")
             self._queue.extend(pending)
             self._cv.notify_all()
-        for item in pending:
-            item.done.wait()
+        try:
+            wait_all([item.done for item in pending], ids, timeout_sec)
+        except SamplerTimeout:
+            self.abort(ids)
+            raise
         for item in pending:
             if item.error is not None:
                 raise RuntimeError(f"request {item.request.request_id} failed: {item.error}") from item.error
@@ -412,17 +419,44 @@ class VllmSampler:
             self._abort_ids.update(request_ids)
             self._cv.notify_all()
 
-    def publish(self, params: Any, version: int, *, abort_in_flight: bool = False) -> None:
+    def publish(
+        self, params: Any, version: int, *, abort_in_flight: bool = False, timeout_sec: float | None = None
+    ) -> None:
+        """As `Sampler.publish`: `timeout_sec` bounds the barrier (in-flight requests finishing);
+        a publication not yet started when it passes is withdrawn and `SamplerTimeout` raised.
+        Once the weight writer runs, the bulk transfer completes without a deadline."""
         with self._publish_lock:
             done = threading.Event()
             publication = {"params": params, "version": int(version), "abort": abort_in_flight, "done": done}
             publication["error"] = None
+            publication["started"] = False
             with self._cv:
                 self._publication = publication
                 self._cv.notify_all()
-            done.wait()
+            if not done.wait(timeout_sec):
+                with self._cv:
+                    withdrawn = self._publication is publication and not publication["started"]
+                    if withdrawn:
+                        self._publication = None
+                        self._cv.notify_all()
+                if withdrawn:
+                    raise SamplerTimeout("publish", timeout_sec, list(self._running))
+                done.wait()
             if publication["error"] is not None:
                 raise publication["error"]
+
+    def probe(self, timeout_sec: float) -> float:
+        """Seconds the driver thread took to pass its loop once (it answers between engine
+        steps); `SamplerTimeout` when a step or the driver itself is stuck."""
+        started = time.monotonic()
+        answered = threading.Event()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the vLLM sampler is closed")
+            self._probes.append(answered)
+            self._cv.notify_all()
+        wait_all([answered], [], timeout_sec, operation="probe")
+        return time.monotonic() - started
 
     def close(self) -> None:
         with self._cv:
@@ -450,11 +484,19 @@ class VllmSampler:
         while True:
             with self._cv:
                 while not (
-                    self._closed or self._queue or self._running or self._abort_ids or self._publication
+                    self._closed
+                    or self._queue
+                    or self._running
+                    or self._abort_ids
+                    or self._publication
+                    or self._probes
                 ):
                     self._cv.wait()
                 if self._closed:
                     break
+                for answered in self._probes:
+                    answered.set()
+                self._probes.clear()
                 aborts, self._abort_ids = self._abort_ids, set()
                 publication = self._publication
                 admitted = []
@@ -463,6 +505,10 @@ class VllmSampler:
                     self._queue.clear()
             try:
                 self._abort(aborts)
+                for item in [i for i in admitted if i.request.request_id in aborts]:
+                    item.result = _empty_abort(item.request, self._version)  # aborted before added
+                    item.done.set()
+                admitted = [i for i in admitted if i.request.request_id not in aborts]
                 for item in admitted:
                     try:
                         self._add(item)
@@ -529,6 +575,10 @@ class VllmSampler:
             self._abort(set(self._running))
         if self._running:
             return
+        with self._cv:
+            if self._publication is not publication:
+                return  # withdrawn by a publish that timed out
+            publication["started"] = True
         try:
             self.weight_writer(self.engine, publication["params"], publication["version"])
             self._version = publication["version"]

@@ -23,7 +23,7 @@ from rollout_helpers import (
 
 from t1jax.parallel.rules import make_mesh, state_shardings
 from t1jax.rollout.engine import EngineClosed, EngineConfig, JaxEngine
-from t1jax.rollout.types import FinishReason, GenerateRequest
+from t1jax.rollout.types import FinishReason, GenerateRequest, SamplerTimeout
 
 BLOCK = TEST_ENGINE_CONFIG.block_size
 
@@ -314,3 +314,26 @@ def test_a_closed_engine_refuses_work(policy):
 def test_bad_engine_configs_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**fields)
+
+
+def test_a_hung_engine_is_a_named_timeout_not_a_hung_caller(engine, prompt_rng):
+    """The scheduler thread is stuck (held between steps: a device call that never returns looks
+    the same from outside). Every waiting call ends at its deadline with `SamplerTimeout` naming
+    what did not finish; a publication that timed out is withdrawn; once the thread runs again the
+    engine serves normally and nothing of the timed-out calls is left behind."""
+    version = engine.policy_version
+    prompt = random_prompt(prompt_rng, 5)
+    with scheduler_paused(engine):
+        started = time.monotonic()
+        with pytest.raises(SamplerTimeout, match=r"generate did not finish within 0.5 s \(requests hung-1\)"):
+            engine.generate([GenerateRequest("hung-1", prompt, request(prompt).params)], timeout_sec=0.5)
+        with pytest.raises(SamplerTimeout, match="probe did not finish within 0.5 s"):
+            engine.probe(0.5)
+        with pytest.raises(SamplerTimeout, match="publish did not finish within 0.5 s"):
+            engine.publish(engine._state, version + 1, timeout_sec=0.5)
+        assert time.monotonic() - started < 5
+    assert engine.probe(10.0) < 10.0
+    assert engine.policy_version == version  # the withdrawn publication never took effect
+    result = engine.generate([request(prompt, max_new_tokens=3)], timeout_sec=60)[0]
+    assert result.policy_version == version and len(result.completion_ids) >= 1
+    assert engine.progress("hung-1") is None  # the timed-out request was aborted, not kept
