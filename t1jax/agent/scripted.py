@@ -15,7 +15,8 @@ Its records are built to be checked, not to look like a model's:
   k distinct ids in [0, num_experts), still a deterministic function of position, call and
   layer, which a routing-replay forward pass accepts (for demos that train on scripted trials).
 
-Thread-safe; `delay_sec` makes each call take that long (polling for `abort`), so deadlines and
+Thread-safe; `delay_sec` (seconds, or a function of the `PolicyCall`) makes each call take that
+long (polling for `abort`), so deadlines and
 cancellation can be exercised.
 """
 
@@ -72,7 +73,7 @@ class ScriptedSampler:
         num_layers: int = 2,
         top_k: int = 2,
         with_routing: bool = True,
-        delay_sec: float = 0.0,
+        delay_sec: float | Callable[[PolicyCall], float] = 0.0,
         policy_version: int = 0,
         num_experts: int | None = None,
     ) -> None:
@@ -142,7 +143,8 @@ class ScriptedSampler:
                 break
         if len(ids) > request.params.max_new_tokens:
             ids, finish = ids[: request.params.max_new_tokens], FinishReason.LENGTH
-        if self._wait_or_aborted(request.request_id, deadline):
+        delay = self.delay_sec(call) if callable(self.delay_sec) else self.delay_sec
+        if self._wait_or_aborted(request.request_id, delay, deadline):
             ids, finish = ids[: len(ids) // 2], FinishReason.ABORT
         elif deadline is not None and time.monotonic() >= deadline:
             raise SamplerTimeout("generate", timeout_sec, [request.request_id])
@@ -178,8 +180,8 @@ class ScriptedSampler:
             routing[:, :, k] = np.arange(self.num_layers, dtype=np.int32)[None, :]
         return routing
 
-    def _wait_or_aborted(self, request_id: str, call_deadline: float | None = None) -> bool:
-        deadline = time.monotonic() + self.delay_sec
+    def _wait_or_aborted(self, request_id: str, delay_sec: float, call_deadline: float | None = None) -> bool:
+        deadline = time.monotonic() + delay_sec
         if call_deadline is not None:
             deadline = min(deadline, call_deadline)
         while True:

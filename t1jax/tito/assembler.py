@@ -344,6 +344,9 @@ def _finish(
         loss_tokens=int(loss_mask.sum()),
         masked_by_repair=sum(stream.dropped_loss_by_turn.values()),
         context_drift=0 if stream.drift_start is None else num_tokens - stream.drift_start,
+        context_drift_loss_tokens=(
+            0 if stream.drift_start is None else int(loss_mask[stream.drift_start :].sum())
+        ),
         boundaries_exact=case_counts[BoundaryCase.EXACT],
         boundaries_retokenized=case_counts[BoundaryCase.RETOKENIZED],
         boundaries_text_fallback=case_counts[BoundaryCase.TEXT_FALLBACK],

@@ -124,6 +124,7 @@ class AuditCounts:
     loss_tokens: int = 0  # positions with loss_mask 1
     masked_by_repair: int = 0  # sampled tokens that lost their loss at a retokenised boundary
     context_drift: int = 0  # positions after a text-space fallback: history differs from the sampler's (§10)
+    context_drift_loss_tokens: int = 0  # loss positions among them (paper §10 measured 2.6%; we aim for 0)
     boundaries_exact: int = 0  # Box 4.2 Case 6: previous stream is a prefix of the next prompt
     boundaries_retokenized: int = 0  # Case 7: bounded re-tokenisation repair at the boundary
     boundaries_text_fallback: int = 0  # Case 8: text-space fallback, Eq. 10

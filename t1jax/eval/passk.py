@@ -1,0 +1,28 @@
+"""Pass@k: the unbiased estimator over n attempts per task (Chen et al., 2021), averaged over tasks.
+
+For one task with n attempts of which c resolved, pass@k = 1 - C(n - c, k) / C(n, k): the
+probability that k attempts drawn without replacement from the n contain a resolved one. It is
+defined for k <= n; averaged over tasks it is the expected pass@k of the policy, without the
+bias of "resolved in any of the first k". Computed with exact integers (no float factorials).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from math import comb
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """1 - C(n - c, k) / C(n, k) for one task (n attempts, c resolved)."""
+    if not 0 <= c <= n:
+        raise ValueError(f"resolved attempts c = {c} must lie in [0, n = {n}]")
+    if not 1 <= k <= n:
+        raise ValueError(f"k = {k} must lie in [1, n = {n}]")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def mean_pass_at_k(counts: Iterable[tuple[int, int]], k: int) -> float | None:
+    """Mean pass@k over tasks given (n, c) per task; tasks with fewer than k attempts are left
+    out (None when none remain)."""
+    values = [pass_at_k(n, c, k) for n, c in counts if n >= k]
+    return sum(values) / len(values) if values else None
