@@ -129,7 +129,8 @@ def main() -> None:
     tokens = int(metrics["rollout/completion_tokens_total"])
     print(f"machine: {processor()}, jax {jax.__version__} on {jax.devices()[0].platform}")
     print(
-        f"rollout: {TRIALS} trials x {TURNS} turns x {TOKENS} tokens ({tokens} generated), peak concurrency {peak}"
+        f"rollout: {TRIALS} trials x {TURNS} turns x {TOKENS} tokens ({tokens} generated), "
+        f"peak concurrency {peak}"
     )
     print(
         f"  rollout (sandboxes, harness, verify): {rollout_sec:.2f} s = {TRIALS / rollout_sec:.2f} trials/s"
