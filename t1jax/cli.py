@@ -7,6 +7,7 @@ does not pay for the trainer's imports and vice versa).
 - ``t1jax plan``: rank sharding plans by per-device memory (``t1jax.parallel.planner``).
 - ``t1jax eval``: evaluate a checkpoint (or the oracle / no-op agent) on a task directory
   (``t1jax.eval.cli``).
+- ``t1jax train``: run or resume an RL run (``t1jax.controller.cli``).
 
 Errors (the contract of every subcommand): bad input — a missing file, a malformed config, an
 impossible combination — is one line on stderr naming the problem and exit status 2; any other
@@ -26,6 +27,7 @@ import traceback
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("t1jax.parallel.planner", "rank sharding plans by the per-device memory model (paper Eq. 21)"),
     "eval": ("t1jax.eval.cli", "evaluate a checkpoint, the oracle or the no-op agent on a task directory"),
+    "train": ("t1jax.controller.cli", "run or resume an RL run from a run config (the single controller)"),
 }
 
 EXIT_USAGE = 2

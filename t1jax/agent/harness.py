@@ -164,6 +164,10 @@ class HarnessConfig:
         object.__setattr__(self, "terminal", TerminalMode(self.terminal))
 
 
+# How long a cancelled trial waits for the sampler to answer the abort of its request.
+ABORT_GRACE_SEC = 5.0
+
+
 class _TrialEnded(Exception):
     def __init__(self, status: TrialStatus, detail: str, cause: TrialCause = TrialCause.NONE) -> None:
         super().__init__(detail)
@@ -353,25 +357,33 @@ class _Trial:
             self.sampling, max_new_tokens=int(max_new), stop_token_ids=self.stop_ids, seed=seed
         )
         request = GenerateRequest(request_id=request_id, prompt_ids=prompt, params=params)
-        finished = threading.Event()
-        watcher = threading.Thread(target=self._abort_when_due, args=(request_id, finished), daemon=True)
-        watcher.start()
         started = time.monotonic()
         timeout = min(
             self.config.sampler_timeout_sec, max(self._remaining_sec(), 0.0) + self.config.sampler_grace_sec
         )
-        try:
-            results = self.sampler.generate([request], timeout_sec=timeout)
-        except SamplerTimeout as error:
-            raise _TrialEnded(TrialStatus.ERROR, str(error), TrialCause.SAMPLER_TIMEOUT) from None
-        except Exception as error:
+        outcome: dict[str, object] = {}
+        finished = threading.Event()
+
+        def call() -> None:
+            try:
+                outcome["results"] = self.sampler.generate([request], timeout_sec=timeout)
+            except BaseException as error:  # handed to the trial's thread below
+                outcome["error"] = error
+            finally:
+                finished.set()
+
+        threading.Thread(target=call, name=f"t1jax-generate-{request_id}", daemon=True).start()
+        self._wait_for_sampler(request_id, finished)
+        error = outcome.get("error")
+        if isinstance(error, SamplerTimeout):
+            raise _TrialEnded(TrialStatus.ERROR, str(error), TrialCause.SAMPLER_TIMEOUT)
+        if error is not None:
             raise _TrialEnded(
                 TrialStatus.ERROR,
                 f"sampler.generate raised {type(error).__name__}: {error}",
                 TrialCause.SAMPLER_ERROR,
-            ) from None
-        finally:
-            finished.set()
+            )
+        results = outcome["results"]
         elapsed = time.monotonic() - started
         self.stats = dataclasses.replace(self.stats, generate_sec=self.stats.generate_sec + elapsed)
         result = self._validated(results, request)
@@ -399,20 +411,34 @@ class _Trial:
             self.stats = dataclasses.replace(self.stats, summary_turns=self.stats.summary_turns + 1)
         return turn
 
-    def _abort_when_due(self, request_id: str, finished: threading.Event) -> None:
-        """Abort `request_id` when the caller cancels or the deadline passes, whichever first.
-        Waiting on the cancel event itself makes cancellation immediate; the 0.25 s slices only
-        bound how long this thread outlives a request that finished on its own."""
+    def _wait_for_sampler(self, request_id: str, finished: threading.Event) -> None:
+        """Wait for the sampler call; abort it when the caller cancels or the deadline passes,
+        whichever first (a live sampler then returns what it has at once). A cancelled trial does
+        not wait for a sampler that ignores the abort (a hung engine) beyond `ABORT_GRACE_SEC`:
+        cancellation is prompt whatever the sampler's health; the abandoned call ends on its own
+        deadline. Waiting on the cancel event itself makes cancellation immediate."""
+        aborted_at = None
         while not finished.is_set():
-            cancelled = self.cancel_event.wait(timeout=min(0.25, max(self._remaining_sec(), 0.0)))
-            if finished.is_set():
+            if aborted_at is None:
+                cancelled = self.cancel_event.wait(timeout=min(0.25, max(self._remaining_sec(), 0.0)))
+                if finished.is_set():
+                    return
+                if cancelled or self._remaining_sec() <= 0:
+                    try:
+                        self.sampler.abort([request_id])
+                    except Exception:  # best effort: generate still returns or raises on its own
+                        pass
+                    aborted_at = time.monotonic()
+                continue
+            if finished.wait(0.05):
                 return
-            if cancelled or self._remaining_sec() <= 0:
-                try:
-                    self.sampler.abort([request_id])
-                except Exception:  # best effort: generate will still return or raise on its own
-                    pass
-                return
+            if self.cancel_event.is_set() and time.monotonic() - aborted_at > ABORT_GRACE_SEC:
+                raise _TrialEnded(
+                    TrialStatus.ABORTED,
+                    f"cancelled by the caller; the sampler did not answer the abort of {request_id} "
+                    f"within {ABORT_GRACE_SEC:g} s",
+                    TrialCause.CANCELLED,
+                )
 
     def _validated(self, results: Sequence[GenerateResult], request: GenerateRequest) -> GenerateResult:
         def unusable(status: TrialStatus, detail: str) -> _TrialEnded:

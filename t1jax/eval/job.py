@@ -41,6 +41,7 @@ from typing import Any
 from sandbox_service.contracts import Task, VerifierReport
 from t1jax.eval.passk import mean_pass_at_k
 from t1jax.rollout.types import SamplingParams
+from t1jax.runtime.records import resolved, trajectory_json
 from t1jax.runtime.scheduler import FailureCause, FinishedTrial, TrialFate, TrialScheduler, TrialSpec
 
 FORMAT_VERSION = 1
@@ -110,16 +111,6 @@ def plan_trials(tasks: Sequence[Task], settings: EvalSettings) -> list[TrialSpec
 # ---- one trial on disk ---------------------------------------------------------------------------
 
 
-def resolved(report: VerifierReport | None) -> bool:
-    """Harbor's notion: every reported assertion passed; without a per-assertion record, the
-    verifier's own task-level outcome."""
-    if report is None:
-        return False
-    if report.parsed and report.total > 0:
-        return report.passed == report.total
-    return report.binary_outcome is True
-
-
 def harbor_reward(report: VerifierReport | None) -> float:
     """The value Harbor records for a trial: the verifier's reward file, else its outcome."""
     if report is None:
@@ -170,44 +161,6 @@ def _report_json(report: VerifierReport) -> dict[str, Any]:
         "reward_value": report.reward_value,
         "detail": report.detail[:2000],
         "assertions": [{"name": a.name, "passed": a.passed} for a in report.assertions],
-    }
-
-
-def trajectory_json(trial: FinishedTrial, decode: Callable[[Sequence[int]], str]) -> dict[str, Any] | None:
-    """Each segment's stitched stream once (ids and text), then every turn's own record."""
-    trajectory = trial.trajectory
-    if trajectory is None:
-        return None
-    segments = []
-    for segment in trajectory.segments:
-        last = segment.turns[-1]
-        stream = [int(t) for t in last.full_ids]
-        turns = [
-            {
-                "kind": turn.kind.value,
-                "request_id": turn.request_id,
-                "prompt_tokens": len(turn.prompt_ids),
-                "glue_start": turn.glue_start,
-                "completion_ids": [int(t) for t in turn.completion_ids],
-                "completion_text": decode(turn.completion_ids),
-                "finish_reason": turn.finish_reason.value,
-                "policy_version": turn.policy_version,
-                "generate_sec": round(turn.generate_sec, 4),
-            }
-            for turn in segment.turns
-        ]
-        segments.append(
-            {"index": segment.index, "stream_ids": stream, "stream_text": decode(stream), "turns": turns}
-        )
-    return {
-        "trial_id": trajectory.trial_id,
-        "task_id": trajectory.task_id,
-        "status": trajectory.status.value,
-        "cause": trajectory.cause.value,
-        "detail": trajectory.detail,
-        "stats": dataclasses.asdict(trajectory.stats),
-        "compactions": [dataclasses.asdict(event) for event in trajectory.compactions],
-        "segments": segments,
     }
 
 

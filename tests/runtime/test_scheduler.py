@@ -12,7 +12,6 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import FlakyBackend
 from flax import nnx
 
 from sandbox_service.admission import AdmissionConfig, AdmissionController
@@ -26,6 +25,7 @@ from t1jax.rollout.types import SamplerTimeout, SamplingParams
 from t1jax.runtime.metrics import rollout_metrics, selection_metrics, turns_bucket
 from t1jax.runtime.scheduler import FailureCause, TrialFate, TrialScheduler, TrialSpec
 from t1jax.tito.types import TrialCause
+from tests.fault_injection import FlakyBackend
 
 pytestmark = pytest.mark.sandbox
 
