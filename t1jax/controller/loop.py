@@ -516,9 +516,10 @@ class Controller:
         if scheduler is not None:
             scheduler.cancel_all()
 
-    def _close(self, timeout_sec: float = 60.0) -> None:
-        """Close every component, each within `timeout_sec` (a hung component cannot hold the
-        others open: trials, then sandboxes, are closed whatever the sampler does)."""
+    def _close(self) -> None:
+        """Close every component, each within twice the probe deadline (a hung component cannot
+        hold the others open: trials, then sandboxes, are closed whatever the sampler does)."""
+        timeout_sec = 2 * self.config.liveness.probe_deadline_sec
         closers, self._closers = self._closers, []
         for close in closers:
             worker = threading.Thread(target=_quietly, args=(close,), daemon=True)
