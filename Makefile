@@ -9,8 +9,10 @@ PYTEST_WORKERS ?= 2
 .PHONY: setup test test-slow bench lint setup-tpu test-tpu-contract
 
 # The TPU environment: vllm-tpu 0.32 (tpu-inference, jax 0.11.2, torch) and pathwaysutils need
-# Python 3.12, so they live in a second venv that the default suite never touches. About 11 GB;
-# it takes minutes to build (see README). Built under `nice`: the machine is shared.
+# Python 3.12, so they live in a second venv that the default suite never touches: 11 GB (torch
+# with CUDA libraries comes with vllm-tpu), about 5 minutes on 2 cores. Built under `nice`.
+# tpu-inference installs a top-level `tests` package there, which shadows ours: only
+# tests/tpu_contract (which imports no `tests.*` module) is meant to run in it.
 TPU_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
 TPU_VENV ?= .venv-tpu
 TPU_PY := $(TPU_VENV)/bin/python
