@@ -68,6 +68,11 @@ FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abo
 PROCESSED, RAW = "processed_logprobs", "raw_logprobs"
 
 
+def _check_logprobs_mode(logprobs_mode: str) -> None:
+    if logprobs_mode not in (PROCESSED, RAW):
+        raise ValueError(f"logprobs_mode must be {PROCESSED!r} or {RAW!r}, got {logprobs_mode!r}")
+
+
 def vllm_available() -> bool:
     """Whether vLLM (the `tpu` extra: vllm-tpu) can be imported here."""
     return importlib.util.find_spec("vllm") is not None
@@ -88,8 +93,7 @@ def engine_kwargs(
     """Keyword arguments of `vllm.LLM` / `vllm.EngineArgs` for the sampler's engine: returned
     routed experts, the chosen logprobs kind, prefix caching, token ids only, and tpu-inference's
     sharding strategy on the sampler's devices (`device_indexes` also fixes the device order)."""
-    if logprobs_mode not in (PROCESSED, RAW):
-        raise ValueError(f"logprobs_mode must be {PROCESSED!r} or {RAW!r}, got {logprobs_mode!r}")
+    _check_logprobs_mode(logprobs_mode)
     strategy: dict[str, Any] = {
         "expert_parallelism": int(expert_parallelism),
         "tensor_parallelism": int(tensor_parallelism),
@@ -187,8 +191,7 @@ def to_generate_result(
     output: Any, request: GenerateRequest, version: int, logprobs_mode: str = PROCESSED
 ) -> GenerateResult:
     """A finished vLLM `RequestOutput` as our `GenerateResult` (see the module docstring)."""
-    if logprobs_mode not in (PROCESSED, RAW):
-        raise ValueError(f"logprobs_mode must be {PROCESSED!r} or {RAW!r}, got {logprobs_mode!r}")
+    _check_logprobs_mode(logprobs_mode)
     rid = request.request_id
     if len(output.outputs) != 1:
         raise ValueError(f"request {rid}: expected one completion (n=1), got {len(output.outputs)}")
@@ -514,8 +517,7 @@ class VllmSampler:
         prompt_renderer: Callable[[Mapping[str, Any]], Any] | None = None,
         version: int = 0,
     ):
-        if logprobs_mode not in (PROCESSED, RAW):
-            raise ValueError(f"logprobs_mode must be {PROCESSED!r} or {RAW!r}, got {logprobs_mode!r}")
+        _check_logprobs_mode(logprobs_mode)
         if sampling_params_factory is None:
             from vllm import SamplingParams as VllmSamplingParams
 

@@ -30,6 +30,18 @@ def sampling_params(**fields) -> SimpleNamespace:
     return SimpleNamespace(**fields)
 
 
+def ours_from_vllm(params) -> SamplingParams:
+    """Our `SamplingParams` from the fields of a (vLLM or record) sampling-params object, for
+    the JAX engines that stand in for vLLM's engine here and in the contract suite."""
+    return SamplingParams(
+        max_new_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop_token_ids=tuple(params.stop_token_ids or ()),
+    )
+
+
 def passthrough(prompt):
     return dict(prompt)
 
@@ -78,14 +90,9 @@ class JaxBackedLLMEngine:
 
     def add_request(self, request_id, prompt, params):
         self.salts.append(prompt["cache_salt"])
-        ours = SamplingParams(
-            max_new_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            stop_token_ids=tuple(params.stop_token_ids or ()),
+        request = GenerateRequest(
+            request_id, np.asarray(prompt["prompt_token_ids"], np.int32), ours_from_vllm(params)
         )
-        request = GenerateRequest(request_id, np.asarray(prompt["prompt_token_ids"], np.int32), ours)
         with self._lock:
             self._live += 1
         threading.Thread(target=self._serve, args=(request,), daemon=True).start()

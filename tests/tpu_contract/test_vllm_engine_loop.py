@@ -29,6 +29,7 @@ from t1jax.rollout.vllm_sampler import VllmSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
 from rollout_helpers import TEST_ENGINE_CONFIG, make_policy, random_prompt  # noqa: E402
+from vllm_doubles import ours_from_vllm  # noqa: E402
 
 _ids = iter(range(10**9))
 
@@ -58,15 +59,8 @@ class JaxEngineCore:
 
     def add_request(self, request):
         self.requests.append(request)
-        params = request.sampling_params
-        ours = SamplingParams(
-            max_new_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            stop_token_ids=tuple(params.stop_token_ids or ()),
-        )
-        generate = GenerateRequest(request.request_id, np.asarray(request.prompt_token_ids, np.int32), ours)
+        prompt = np.asarray(request.prompt_token_ids, np.int32)
+        generate = GenerateRequest(request.request_id, prompt, ours_from_vllm(request.sampling_params))
         threading.Thread(
             target=lambda: self._done.put(self.jax_engine.generate([generate])[0]), daemon=True
         ).start()

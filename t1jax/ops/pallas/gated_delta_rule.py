@@ -256,106 +256,60 @@ def _specs(batch, heads, chunks, chunk, dk, dv, reverse):
     }
 
 
-def _compiler_params(interpret):
-    if interpret:
-        return None
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+def _chunk_input_specs(s):
+    """Specs of the per-chunk inputs both kernels read, in `_chunked_core`'s order (q, k, v, beta,
+    c_col, c_row, doc_col, doc_row, from_start, to_end, chunk_decay)."""
+    return [
+        s["qk"], s["qk"], s["v"], s["col"], s["col"], s["row"], s["doc_col"], s["doc_row"],
+        s["col"], s["col"], s["scalar"],
+    ]  # fmt: skip
 
 
-def _forward_call(inputs, interpret):
-    q, k, v = inputs[:3]
-    state0 = inputs[-1]
-    batch, heads, chunks, chunk, dk = q.shape
-    dv = v.shape[-1]
-    s = _specs(batch, heads, chunks, chunk, dk, dv, reverse=False)
-    f32 = jnp.float32
+def _call(kernel, inputs, in_specs, out_specs, out_shape, interpret):
+    """One pallas_call over grid (B, H, N) with the state and chunk-matrix VMEM scratch."""
+    batch, heads, chunks, chunk, dk = inputs[0].shape
+    dv = inputs[2].shape[-1]
     return pl.pallas_call(
-        _forward_kernel,
+        kernel,
         grid=(batch, heads, chunks),
-        in_specs=[
-            s["qk"],
-            s["qk"],
-            s["v"],
-            s["col"],
-            s["col"],
-            s["row"],
-            s["doc_col"],
-            s["doc_row"],
-            s["col"],
-            s["col"],
-            s["scalar"],
-            s["state"],
-        ],  # fmt: skip
-        out_specs=[s["v"], s["state"], s["chunk_state"]],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, heads, chunks, chunk, dv), f32),
-            jax.ShapeDtypeStruct(state0.shape, f32),
-            jax.ShapeDtypeStruct((batch, heads, chunks, dk, dv), f32),
-        ],
-        scratch_shapes=[pltpu.VMEM((dk, dv), f32), pltpu.VMEM((chunk, chunk), f32)],
-        compiler_params=_compiler_params(interpret),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM((dk, dv), jnp.float32), pltpu.VMEM((chunk, chunk), jnp.float32)],
+        compiler_params=None
+        if interpret
+        else pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
     )(*inputs)
 
 
-def _backward_call(inputs, chunk_states, d_out, d_final, interpret):
-    q, k, v = inputs[:3]
+def _forward_call(inputs, interpret):
+    q, _, v = inputs[:3]
     batch, heads, chunks, chunk, dk = q.shape
     dv = v.shape[-1]
-    s = _specs(batch, heads, chunks, chunk, dk, dv, reverse=True)
+    s = _specs(batch, heads, chunks, chunk, dk, dv, reverse=False)
     f32 = jnp.float32
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, heads, chunks, chunk, dv), f32),
+        jax.ShapeDtypeStruct((batch, heads, dk, dv), f32),
+        jax.ShapeDtypeStruct((batch, heads, chunks, dk, dv), f32),
+    ]
+    in_specs = [*_chunk_input_specs(s), s["state"]]
+    out_specs = [s["v"], s["state"], s["chunk_state"]]
+    return _call(_forward_kernel, list(inputs), in_specs, out_specs, out_shape, interpret)
 
-    def like(x):
-        return jax.ShapeDtypeStruct(x.shape, f32)
 
-    (q, k, v, beta, c_col, c_row, doc_col, doc_row, from_start, to_end, chunk_decay, state0) = inputs
-    return pl.pallas_call(
-        _backward_kernel,
-        grid=(batch, heads, chunks),
-        in_specs=[
-            s["qk"],
-            s["qk"],
-            s["v"],
-            s["col"],
-            s["col"],
-            s["row"],
-            s["doc_col"],
-            s["doc_row"],
-            s["col"],
-            s["col"],
-            s["scalar"],
-            s["chunk_state"],
-            s["v"],
-            s["state"],
-        ],  # fmt: skip
-        out_specs=[
-            s["qk"],
-            s["qk"],
-            s["v"],
-            s["col"],
-            s["col"],
-            s["row"],
-            s["col"],
-            s["col"],
-            s["scalar"],
-            s["state"],
-        ],  # fmt: skip
-        out_shape=[
-            like(q),
-            like(k),
-            like(v),
-            like(beta),
-            like(c_col),
-            like(c_row),
-            like(from_start),
-            like(to_end),
-            like(chunk_decay),
-            like(state0),
-        ],  # fmt: skip
-        scratch_shapes=[pltpu.VMEM((dk, dv), f32), pltpu.VMEM((chunk, chunk), f32)],
-        compiler_params=_compiler_params(interpret),
-        interpret=interpret,
-    )(*inputs[:-1], chunk_states, d_out, d_final)
+def _backward_call(inputs, chunk_states, d_out, d_final, interpret):
+    q, _, v = inputs[:3]
+    batch, heads, chunks, chunk, dk = q.shape
+    s = _specs(batch, heads, chunks, chunk, dk, v.shape[-1], reverse=True)
+    in_specs = [*_chunk_input_specs(s), s["chunk_state"], s["v"], s["state"]]
+    out_specs = [*_chunk_input_specs(s)[:6], s["col"], s["col"], s["scalar"], s["state"]]
+    # gradients of q, k, v, beta, c_col, c_row, from_start, to_end, chunk_decay, initial state
+    grad_of = [*inputs[:6], *inputs[8:]]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in grad_of]
+    operands = [*inputs[:-1], chunk_states, d_out, d_final]
+    return _call(_backward_kernel, operands, in_specs, out_specs, out_shape, interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
