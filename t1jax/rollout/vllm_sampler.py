@@ -45,7 +45,8 @@ resets the prefix cache, and resumes. `InPlaceWeightWriter` is tpu-inference's R
 a reload: `reset_prefix_cache()`, the worker's weight-update session
 (`start_weight_update(free_kv_cache=True)` ... `finish_weight_update()`, which drops and re-creates
 the KV cache), new arrays written into the model runner's `state` in the runner's own layout
-(`runner_arrays`), then `refresh_model_state_leaves()`. (vLLM's `reload_weights` exists only on
+(`runner_arrays`; the torch modules' own references to the old arrays are re-pointed too, so the
+old weights are freed), then `refresh_model_state_leaves()`. (vLLM's `reload_weights` exists only on
 the GPU worker, and TPU has no `sleep`/`wake_up`.)
 """
 
@@ -460,6 +461,20 @@ def runner_arrays(runner: Any, named: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _rebind_module_tensor(torch_module: Any, key: str, value: Any) -> None:
+    """tpu-inference's torch modules keep torchax tensors over the same device buffers as the
+    runner state (the step function is given the state, not these). Point them at the new array,
+    or the weights loaded at start stay alive as a second copy on the sampler's devices."""
+    import torchax
+
+    try:
+        tensor = torch_module.get_parameter(key)
+    except AttributeError:  # a buffer, or no such module parameter
+        return
+    if isinstance(tensor, torchax.tensor.Tensor):
+        tensor._elem = value
+
+
 class InPlaceWeightWriter:
     """Publication into a running vLLM-TPU engine without a reload (see the module docstring):
     our parameters -> `hf_named_arrays` (or `to_hf_names`) -> `runner_arrays` -> the runner state.
@@ -481,6 +496,7 @@ class InPlaceWeightWriter:
             arrays = runner_arrays(runner, named)
             for key, value in arrays.items():
                 runner.state[key] = value
+                _rebind_module_tensor(runner.model.model, key, value)
             engine.collective_rpc("refresh_model_state_leaves")
         finally:
             engine.collective_rpc("finish_weight_update")

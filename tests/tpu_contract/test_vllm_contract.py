@@ -324,9 +324,22 @@ def test_in_place_writer_reproduces_what_tpu_inference_loads(checkpoints, tensor
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=key)
         if key in buffers:
             assert got is loaded[1].state[key]
+    # the torch modules no longer hold the old device arrays (they would keep a second copy alive)
+    import torchax
+
+    torch_module = loaded[1].model.model
+    rebound = [key for key in target if isinstance(_module_tensor(torch_module, key), torchax.tensor.Tensor)]
+    assert rebound and all(_module_tensor(torch_module, key)._elem is runner.state[key] for key in rebound)
     # the two policies differ everywhere that matters, so equality above is not vacuous
     w13 = [k for k in target if k.endswith("w13_weight")][0]
     assert not np.array_equal(np.asarray(loaded[1].state[w13]), np.asarray(target[w13]))
+
+
+def _module_tensor(torch_module, key):
+    try:
+        return torch_module.get_parameter(key)
+    except AttributeError:
+        return None
 
 
 def test_in_place_writer_refuses_another_model_before_writing(checkpoints):
