@@ -291,8 +291,10 @@ def test_every_engine_method_the_adapter_calls_exists_in_the_installed_engine():
 
 
 # ---- the in-place weight writer ---------------------------------------------------------------
-@pytest.mark.parametrize("tensor_parallelism", [1, 2])
-def test_in_place_writer_reproduces_what_tpu_inference_loads(checkpoints, tensor_parallelism):
+@pytest.mark.parametrize("tensor_parallelism,expert_parallelism", [(1, 1), (2, 1), (1, 2)])
+def test_in_place_writer_reproduces_what_tpu_inference_loads(
+    checkpoints, tensor_parallelism, expert_parallelism
+):
     """Write policy 2 into a runner loaded from policy 1's checkpoint: every weight must equal what
     tpu-inference's own loader builds from policy 2's checkpoint (values, dtype, sharding), the
     buffers stay, and the writer runs the worker's weight-update session."""
