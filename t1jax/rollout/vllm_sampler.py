@@ -93,7 +93,8 @@ def engine_kwargs(
 ) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` / `vllm.EngineArgs` for the sampler's engine: returned
     routed experts, the chosen logprobs kind, prefix caching, token ids only, and tpu-inference's
-    sharding strategy on the sampler's devices (`device_indexes` also fixes the device order)."""
+    sharding strategy on the sampler's devices (`device_indexes`: ids of `jax.local_devices()`, as
+    tpu-inference's worker reads them; they also fix the device order)."""
     _check_logprobs_mode(logprobs_mode)
     strategy: dict[str, Any] = {
         "expert_parallelism": int(expert_parallelism),

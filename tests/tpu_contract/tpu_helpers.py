@@ -75,12 +75,14 @@ def _initialise_distributed(vllm_config) -> None:
 
 def runner_mesh(vllm_config):
     """The runner's 2-D ('data', 'model') mesh on the configured devices, in the given order (the
-    branch of `TPUModelRunner._create_2d_mesh` taken when `device_indexes` is set)."""
+    branch of `TPUModelRunner._create_2d_mesh` taken when `device_indexes` is set; like
+    `TPUWorker.init_device`, the indexes are ids of `jax.local_devices()`)."""
     from tpu_inference.layers.common.sharding import MESH_AXIS_NAMES_2D
 
     sharding = vllm_config.sharding_config
     shape = (sharding.model_dp_size, sharding.tp_size)
-    devices = [jax.devices()[i] for i in sharding.device_indexes]
+    by_id = {device.id: device for device in jax.local_devices()}
+    devices = [by_id[i] for i in sharding.device_indexes]
     return jax.sharding.Mesh(np.array(devices).reshape(shape), MESH_AXIS_NAMES_2D)
 
 
