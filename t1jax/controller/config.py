@@ -360,12 +360,9 @@ class RunConfig:
 
 
 def resolve_path(value: str, base_dir: Path) -> Path:
-    """A path in a config: absolute, or relative to the working directory if it exists there,
-    else relative to the config file's directory."""
+    """A path in a config: absolute, or relative to the config file's directory `base_dir`."""
     path = Path(value).expanduser()
-    if path.is_absolute() or path.exists():
-        return path.resolve()
-    return (base_dir / path).resolve()
+    return path.resolve() if path.is_absolute() else (base_dir / path).resolve()
 
 
 def _to_plain(value: Any) -> Any:
