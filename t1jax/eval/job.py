@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_service.contracts import Task, VerifierReport
-from t1jax.eval.passk import mean_pass_at_k
+from t1jax.eval.passk import bootstrap_interval, mean_pass_at_k
 from t1jax.rollout.types import SamplingParams
 from t1jax.runtime.records import resolved, trajectory_json
 from t1jax.runtime.scheduler import FailureCause, FinishedTrial, TrialFate, TrialScheduler, TrialSpec
@@ -247,6 +247,8 @@ def aggregate(results: Iterable[Mapping[str, Any]], load_errors: Sequence[tuple[
         }
         counts = [(len(v), sum(v)) for v in per_task.values()]
         out["pass_at_k"] = {str(k): _round(mean_pass_at_k(counts, k)) for k in range(1, attempts + 1)}
+        interval = bootstrap_interval([per_task[t] for t in sorted(per_task)])
+        out["resolved_rate_ci95"] = None if interval is None else [_round(v) for v in interval]
         return out
 
     def grouped(key: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Pass@k: the unbiased estimator over n attempts per task (Chen et al., 2021), averaged over tasks.
+"""Pass@k: the unbiased estimator over n attempts per task (Chen et al., 2021), averaged over tasks;
+and a task-level bootstrap interval for a resolved rate.
 
 For one task with n attempts of which c resolved, pass@k = 1 - C(n - c, k) / C(n, k): the
 probability that k attempts drawn without replacement from the n contain a resolved one. It is
@@ -8,7 +9,7 @@ bias of "resolved in any of the first k". Computed with exact integers (no float
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from math import comb
 
 
@@ -26,3 +27,21 @@ def mean_pass_at_k(counts: Iterable[tuple[int, int]], k: int) -> float | None:
     out (None when none remain)."""
     values = [pass_at_k(n, c, k) for n, c in counts if n >= k]
     return sum(values) / len(values) if values else None
+
+
+def bootstrap_interval(
+    per_task: Sequence[Sequence[float]], *, level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float] | None:
+    """A percentile bootstrap interval of the mean over tasks of each task's mean outcome,
+    resampling *tasks* (attempts of one task are correlated, so trials are not independent
+    draws). Deterministic in `seed`; None without tasks."""
+    import numpy as np
+
+    means = np.asarray([float(np.mean(values)) for values in per_task if len(values)])
+    if not len(means):
+        return None
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(means), size=(resamples, len(means)))
+    estimates = means[draws].mean(axis=1)
+    tail = (1.0 - level) / 2
+    return float(np.quantile(estimates, tail)), float(np.quantile(estimates, 1.0 - tail))

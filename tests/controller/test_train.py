@@ -268,3 +268,35 @@ def test_a_hung_sampler_is_named_by_its_probe(tmp_path, monkeypatch):
     status = json.loads((run_dir.path / "status.json").read_text())
     assert status["state"] == "failed" and status["error"].startswith("ComponentUnresponsive: sampler")
     assert not live_sandboxes(tmp_path)
+
+
+def test_the_training_curves_notebook_runs_on_this_run(reference_run, monkeypatch):
+    """notebooks/training_curves.ipynb, executed by a real kernel (nbclient) on the reference
+    run's directory, and the PNGs `make demo` saves from the same figures."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    _, run = reference_run
+    monkeypatch.setenv("T1JAX_RUN_DIR", str(run))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    notebook = nbformat.read(REPO / "notebooks" / "training_curves.ipynb", as_version=4)
+    nbclient.NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}
+    ).execute()
+    printed = "".join(
+        output.get("text", "")
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.get("outputs", [])
+    )
+    assert "3 steps" in printed and "reward/mean" in printed and "cancelled_tail" in printed
+
+    from t1jax.report.curves import save_figures
+
+    written = save_figures(run)
+    assert {p.name for p in written} >= {
+        "reward.png",
+        "explained_variance.png",
+        "logprob_gap.png",
+        "tito.png",
+    }
+    assert all(p.stat().st_size > 1000 for p in written)
