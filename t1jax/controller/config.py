@@ -162,6 +162,9 @@ class ScheduleSection:
     batch_size: int = 512
     launch_size: int = 560
     async_rollouts: bool = True
+    # False holds the actor: a critic warm-up run (§4.5) trains the value network on rollouts of a
+    # fixed policy, and its critic weights seed the RL run (model.critic_checkpoint).
+    train_actor: bool = True
 
 
 @dataclass(frozen=True)

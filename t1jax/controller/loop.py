@@ -402,14 +402,19 @@ class Controller:
         samples = [s for trial in collected.admitted for s in trial.assembly.samples]
         outcomes = [trial.reward for trial in collected.admitted]
         expected = self.split.expected_staleness(self.config.schedule.async_rollouts)
+        train_actor = self.config.schedule.train_actor
         self.split.training = True
         try:
             metrics = self._await(
-                lambda: self.learner.step(samples, reward_outcomes=outcomes, staleness=expected), "train"
+                lambda: self.learner.step(
+                    samples, reward_outcomes=outcomes, staleness=expected, train_actor=train_actor
+                ),
+                "train",
             )
         finally:
             self.split.training = False
         self.split.train_steps_this_process += 1
+        self.split.last_step_updated_actor = train_actor
         metrics["rl/staleness"] = float(expected)
         metrics["rl/policy_version"] = float(self.learner.policy_version)
         metrics["rl/batch_policy_version"] = float(samples[0].policy_version)

@@ -7,9 +7,11 @@ So the trainer, the sampler and the controller loop can never disagree about ver
 - `publish` hands the learner's current actor to the sampler through the trial scheduler's
   barrier (no trial is running while the weights change, so no trial spans two versions), and
   the learner retains that copy as the behaviour policy of what it generates (Eq. 26);
-- `expected_staleness` says how far behind the learner a batch must be: 0 on the first train
-  step of a process (its rollout was generated before any update), 1 after it (one-step
-  asynchrony, App. 12.1); `Learner.step(..., staleness=)` asserts it.
+- `expected_staleness` says how far behind the learner a batch must be, from the loop's own
+  schedule (never from the versions it is meant to check): the actor updates made while the
+  batch was being generated. Under one-step asynchrony that is 1, except on the first train step
+  of a process (its rollout was generated before any update) and after a step that held the
+  actor (critic warm-up), where it is 0 (App. 12.1). `Learner.step(..., staleness=)` asserts it.
 
 Publication moves arrays from the trainer mesh to the sampler mesh (`jax.device_put` onto the
 sampler's shardings, inside `Sampler.publish`; under Pathways the same call reshards across
@@ -71,6 +73,7 @@ class PolicySplit:
         self.sampler = sampler
         self.scheduler = scheduler
         self.train_steps_this_process = 0
+        self.last_step_updated_actor = False  # did the previous train step of this process update the actor
         self.training = False  # True while the learner runs a step (the trainer probe waits)
 
     @property
@@ -98,5 +101,5 @@ class PolicySplit:
         )
 
     def expected_staleness(self, asynchronous: bool) -> int:
-        """0 for a synchronous loop and for the first train step of a process, else 1."""
-        return 1 if asynchronous and self.train_steps_this_process > 0 else 0
+        """Actor updates made since the batch about to be trained was launched (module docstring)."""
+        return 1 if asynchronous and self.last_step_updated_actor else 0
