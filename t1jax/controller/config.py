@@ -318,7 +318,7 @@ class RunConfig:
         need(self.rl.batching.rows_per_micro_batch > 0, "rl.batching.rows_per_micro_batch", "must be > 0")
         need(self.partial_rollouts.max_age_steps >= 1, "partial_rollouts.max_age_steps", "must be >= 1")
         need(not self.partial_rollouts.enabled, "partial_rollouts.enabled",
-             "continuation of cancelled trials is not available in this version; the tail is cancelled")  # fmt: skip
+             "continuation of cancelled trials is not available yet; the tail is cancelled")  # fmt: skip
 
     def check_devices(self, available: int, plan_devices: int | None = None) -> None:
         """The split against the devices the process sees (before any device work)."""
