@@ -96,7 +96,7 @@ class Liveness:
 
             worker = threading.Thread(target=run, name=f"t1jax-probe-{probe.component}", daemon=True)
             worker.start()
-            worker.join(self.deadline_sec)
+            worker.join(self.deadline_sec + 1.0)  # a check that honours the deadline reports its own error
             if worker.is_alive():
                 return ComponentUnresponsive(probe.component, f"no answer within {self.deadline_sec:g} s")
             if "error" in outcome:

@@ -259,7 +259,7 @@ def test_a_hung_sampler_is_named_by_its_probe(tmp_path, monkeypatch):
     started = time.monotonic()
     try:
         with pytest.raises(
-            ComponentUnresponsive, match=r"^sampler is unresponsive: SamplerTimeout: sampler probe"
+            ComponentUnresponsive, match=r"^sampler is unresponsive: SamplerTimeout: sampler probe did not"
         ):
             Controller(config, run_dir, resume=False, base_dir=tmp_path).run()
     finally:
