@@ -220,6 +220,7 @@ class JaxEngine:
         self.compile_counts: collections.Counter[str] = collections.Counter()  # traces per program
         self.step_counts: collections.Counter[str] = collections.Counter()  # device calls and steps run
         self._programs: dict[str, Any] = {}
+        self._prefill_rows = min(config.prefill_rows, config.max_batch)
 
         self.prefix_cache = PrefixCache(config.block_size, config.prefix_cache_bytes)
         slots = config.max_batch
@@ -350,7 +351,7 @@ class JaxEngine:
         self._run_on_scheduler(self._compile_all)
 
     def _compile_all(self) -> None:
-        rows = self.config.prefill_rows
+        rows = self._prefill_rows
         for kv in self.kv_buckets():
             program = self._program(f"prefill[kv={kv}]", lambda kv=kv: self._prefill_program(kv))
             padding = np.zeros(rows, np.int32)
@@ -358,7 +359,7 @@ class JaxEngine:
             logits, _, self._cache = self._device(program, self._state, self._cache, padding, ids, padding)
         first_token = self._program("first_token", self._first_token_program)
         params = (self._temperature, self._top_k_param, self._top_p, self._seed_low, self._seed_high)
-        self._device(first_token, logits, *(a[:rows] for a in params))
+        self._device(first_token, logits, *(a[padding] for a in params))
         width = self._stops.shape[1]
         program = self._program(f"decode[stops={width}]", lambda: self._decode_program(width))
         live = np.zeros(len(self._slots), bool)
@@ -505,7 +506,7 @@ class JaxEngine:
     def _prefill_program(self, kv: int):
         graphdef, counts, name = self._graphdef, self.compile_counts, f"prefill[kv={kv}]"
         cfg, routing = self.config, self.routing_dtype
-        rows, block, max_batch = cfg.prefill_rows, cfg.block_size, cfg.max_batch
+        rows, block, max_batch = self._prefill_rows, cfg.block_size, cfg.max_batch
 
         def prefill(state, cache, slots, ids, valid):
             counts[name] += 1
@@ -599,20 +600,25 @@ class JaxEngine:
     def _restore_program(self, num_blocks: int):
         counts, name = self.compile_counts, f"restore[blocks={num_blocks}]"
 
+        block = self.config.block_size
+
         def restore(cache, slot, length, starts, blocks, linear):
             """Row `slot` := the cached blocks at their starts, the recurrent state, the length."""
             counts[name] += 1
+            positions = (starts[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]).reshape(-1)
+            stacked = jnp.stack(blocks) if blocks else None  # [n, attention layers, 2, block, ...]
             layers, states, attention = [], iter(linear), 0
             for layer in cache.layers:
                 if isinstance(layer, AttentionLayerCache):
-                    key, value = layer.key, layer.value
-                    for start, kv in zip(starts, blocks, strict=True):
-                        at = (slot, start, 0, 0)
-                        key = jax.lax.dynamic_update_slice(key, kv[attention, 0][None].astype(key.dtype), at)
-                        value = jax.lax.dynamic_update_slice(
-                            value, kv[attention, 1][None].astype(value.dtype), at
+                    if stacked is not None:
+                        put = lambda full, part: full.at[slot, positions].set(
+                            part.reshape(-1, *part.shape[2:]).astype(full.dtype)
                         )
-                    layer, attention = AttentionLayerCache(key=key, value=value), attention + 1
+                        layer = AttentionLayerCache(
+                            key=put(layer.key, stacked[:, attention, 0]),
+                            value=put(layer.value, stacked[:, attention, 1]),
+                        )
+                    attention += 1
                 else:
                     conv, recurrent = next(states)
                     layer = LinearLayerCache(
@@ -724,9 +730,13 @@ class JaxEngine:
     def _run_on_scheduler(self, task, *, timeout_sec: float | None = None, operation: str = "task") -> None:
         done = threading.Event()
 
+        failure: list[BaseException] = []
+
         def wrapped():
             try:
                 task()
+            except BaseException as error:  # the caller's to handle, not a device failure
+                failure.append(error)
             finally:
                 done.set()
 
@@ -736,6 +746,8 @@ class JaxEngine:
             self._tasks.append(wrapped)
             self._cv.notify_all()
         wait_all([done], [], timeout_sec, operation=operation)
+        if failure:
+            raise failure[0]
 
     # ---- admission and the prefix cache ------------------------------------------------------
     def _admit(self, work: _Work) -> None:
@@ -823,7 +835,7 @@ class JaxEngine:
             if work is not None and work.phase == _PREFILL:
                 # the window's real end: a function of the row alone (hit and miss agree on it)
                 by_bucket[self._kv_bucket(min(work.prefilled + block, len(work.prompt)))].append(work)
-        group = self.config.prefill_rows
+        group = self._prefill_rows
         launched = [
             self._launch_prefill(kv, works[first : first + group])
             for kv, works in sorted(by_bucket.items())
@@ -834,7 +846,7 @@ class JaxEngine:
             self._absorb_prefill(works, valid, routing, first)
 
     def _launch_prefill(self, kv: int, works: list[_Work]):
-        block, rows = self.config.block_size, self.config.prefill_rows
+        block, rows = self.config.block_size, self._prefill_rows
         slots = np.full(rows, works[0].slot, np.int32)  # padding rows read a busy row, write nothing
         ids = np.zeros((rows, block), np.int32)
         valid = np.zeros(rows, np.int32)
