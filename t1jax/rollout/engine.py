@@ -17,9 +17,9 @@ Cost follows the live lengths. The cache holds `max_batch` rows of `max_context`
   attention reads the cache in `kv_chunk`-slot chunks only up to the longest live row
   (`t1jax.model.attention.decode_attention`), so one program serves every length;
 - prefill feeds `prefill_rows` rows at a time, a window of `block_size` tokens each, over a
-  cache view of `kv` slots, `kv` the power of two (>= block_size and kv_chunk, capped at
+  cache view of `kv` slots, `kv` the power of two (>= block_size and min_prefill_kv, capped at
   max_context) that covers the window's end; rows are grouped by their `kv`. So prefill
-  compiles once per kv bucket (about log2(max_context / kv_chunk) + 1 programs) and its
+  compiles once per kv bucket (about log2(max_context / min_prefill_kv) + 1 programs) and its
   attention costs what the row's own length needs.
 `compile_counts` records traces per program and bucket, e.g. `prefill[kv=512]`,
 `decode[stops=4]`, `restore[blocks=8]`.
@@ -98,7 +98,9 @@ class EngineConfig:
     host round trip per that many tokens; aborts and admissions wait at most one round).
     prefill_rows: rows per prefill call (a fixed shape, so a row's result never depends on how
     many rows prefill with it). kv_chunk: cache slots the decode attention reads per step of
-    its loop."""
+    its loop (smaller suits a CPU's caches, larger an accelerator). min_prefill_kv: the smallest
+    cache view a prefill window attends over (shorter views save too little to be worth a
+    program of their own)."""
 
     max_batch: int = 8
     max_context: int = 4096
@@ -108,9 +110,11 @@ class EngineConfig:
     decode_steps: int = 16
     prefill_rows: int = 4
     kv_chunk: int = 256
+    min_prefill_kv: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_context", "block_size", "decode_steps", "prefill_rows", "kv_chunk"):
+        positive = ("max_batch", "max_context", "block_size", "decode_steps", "prefill_rows", "kv_chunk")
+        for name in positive + ("min_prefill_kv",):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
         if self.prefix_cache_bytes < 0:
@@ -481,10 +485,9 @@ class JaxEngine:
 
     def _kv_bucket(self, end: int) -> int:
         """Cache slots a prefill window ending at `end` attends over: the power of two covering
-        it, at least one block and one decode-attention chunk (fewer slots save too little to be
-        worth a program of their own), at most max_context."""
+        it, at least one block and min_prefill_kv, at most max_context."""
         cfg = self.config
-        smallest = max(cfg.block_size, cfg.kv_chunk)
+        smallest = max(cfg.block_size, cfg.min_prefill_kv)
         return min(cfg.max_context, max(smallest, _power_of_two_at_least(end)))
 
     def kv_buckets(self) -> list[int]:

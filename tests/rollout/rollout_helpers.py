@@ -21,7 +21,13 @@ TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 # Small enough to compile quickly, large enough that prefill uses several kv buckets (64, 128,
 # 192), decode attention several chunks, and a decode round several steps.
 TEST_ENGINE_CONFIG = EngineConfig(
-    max_batch=4, max_context=192, block_size=16, decode_steps=4, prefill_rows=2, kv_chunk=64
+    max_batch=4,
+    max_context=192,
+    block_size=16,
+    decode_steps=4,
+    prefill_rows=2,
+    kv_chunk=64,
+    min_prefill_kv=64,
 )
 
 
