@@ -147,16 +147,17 @@ class Transformers:
             )
         assert out.shape == (len(prompts), len(prompts[0]) + new_tokens)
 
-    def best(self, measure, label):
-        """min over thread counts of `measure()` (seconds); torch's intra-op threads spin, so on
-        a busy machine one thread can beat several."""
+    def best(self, measure, label, unit="s"):
+        """The best of `measure()` over the thread counts (the smallest, or for unit "tokens/s"
+        the largest); torch's intra-op threads spin, so on a busy machine one thread can beat
+        several."""
         results = []
         for threads in self.thread_counts:
             self.torch.set_num_threads(threads)
             value = measure()
-            print(f"  transformers generate ({label}, torch CPU, {threads} threads): {value:.2f} s")
+            print(f"  transformers generate ({label}, torch CPU, {threads} threads): {value:.2f} {unit}")
             results.append(value)
-        return min(results)
+        return max(results) if unit == "tokens/s" else min(results)
 
 
 def agent_case(model, hf, device):
@@ -171,7 +172,7 @@ def agent_case(model, hf, device):
         steps = dict(engine.step_counts)
     print(
         f"  jax engine: {engine_total:.2f} s end to end, {engine_prefill:.2f} s to the first token "
-        f"({steps.get('prefill', 0)} prefill calls, {steps.get('decode', 0)} decode rounds in all)"
+        f"({steps.get('prefill', 0)} prefill calls and {steps.get('decode', 0)} decode rounds over all runs)"
     )
 
     def timed(new_tokens):
@@ -206,8 +207,7 @@ def torch_decode_rate(hf, prompts) -> float:
         elapsed = lambda n: best_of(lambda: hf.generate(prompts, n))
         return BATCH * (NEW_TOKENS - 1) / (elapsed(NEW_TOKENS) - elapsed(1))
 
-    # `best` takes the minimum: hand it seconds per token
-    return 1.0 / hf.best(lambda: 1.0 / rate(), "seconds per decode token, batch 8")
+    return hf.best(rate, f"decode, batch {BATCH}", unit="tokens/s")
 
 
 def prefix_cache_ratio(model, device) -> float:
