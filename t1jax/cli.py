@@ -28,6 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("t1jax.parallel.planner", "rank sharding plans by the per-device memory model (paper Eq. 21)"),
     "eval": ("t1jax.eval.cli", "evaluate a checkpoint, the oracle or the no-op agent on a task directory"),
     "train": ("t1jax.controller.cli", "run or resume an RL run from a run config (the single controller)"),
+    "demo": ("t1jax.demo.cli", "base -> SFT -> critic warm-up -> RL -> held-out evaluation in one directory"),
 }
 
 EXIT_USAGE = 2

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from t1jax.controller.config import ConfigError, RunConfig, resolve_path
+from t1jax.eval.checkpoint import resolve_checkpoint
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -38,7 +39,7 @@ def load_models(config: RunConfig, base_dir: Path):
     param_dtype = _DTYPES[model.param_dtype] if model.param_dtype else None
     tokenizer = load_project_tokenizer()
     if model.actor_checkpoint:
-        path = resolve_path(model.actor_checkpoint, base_dir)
+        path = resolve_checkpoint(resolve_path(model.actor_checkpoint, base_dir), "actor")
         actor = from_pretrained(path, dtype=dtype, param_dtype=param_dtype)
         if (path / "tokenizer.json").is_file():
             tokenizer = load_tokenizer(path / "tokenizer.json")
@@ -57,16 +58,13 @@ def load_models(config: RunConfig, base_dir: Path):
             f"sampler.max_context: {config.sampler.max_context} exceeds the model's "
             f"max_position_embeddings {actor.config.max_position_embeddings}"
         )
-    if model.critic_checkpoint:
+    if model.critic_checkpoint or model.actor_checkpoint:
+        # A warmed-up critic (an HF directory, or a warm-up run's newest critic), else the actor's
+        # backbone with a fresh value head.
+        source = model.critic_checkpoint or model.actor_checkpoint
+        role = "critic" if model.critic_checkpoint else "actor"
         critic = critic_from_pretrained(
-            resolve_path(model.critic_checkpoint, base_dir),
-            dtype=dtype,
-            param_dtype=param_dtype,
-            seed=model.init_seed + 1,
-        )
-    elif model.actor_checkpoint:
-        critic = critic_from_pretrained(
-            resolve_path(model.actor_checkpoint, base_dir),
+            resolve_checkpoint(resolve_path(source, base_dir), role),
             dtype=dtype,
             param_dtype=param_dtype,
             seed=model.init_seed + 1,
@@ -120,7 +118,7 @@ def build_sampler(config: RunConfig, actor, devices, base_dir: Path):
         if not config.model.actor_checkpoint:
             raise ConfigError("sampler.engine: vllm serves an HF checkpoint; set model.actor_checkpoint")
         return VllmSampler.from_model_path(
-            str(resolve_path(config.model.actor_checkpoint, base_dir)),
+            str(resolve_checkpoint(resolve_path(config.model.actor_checkpoint, base_dir), "actor")),
             config=actor.config,
             max_model_len=sampler.max_context,
             max_num_seqs=sampler.max_batch,

@@ -382,7 +382,9 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-def _section(cls, raw: Any, path: str):
+def section_from_dict(cls, raw: Any, path: str):
+    """A frozen dataclass `cls` from a YAML mapping, strictly (unknown keys, wrong kinds: ConfigError
+    naming `path.key`); None gives the defaults."""
     if raw is None:
         return cls()
     if not isinstance(raw, Mapping):
@@ -458,7 +460,7 @@ def run_config_from_dict(raw: Mapping[str, Any], *, source: str = "<dict>") -> R
             except ValueError as error:
                 raise ConfigError(str(error)) from error
         else:
-            sections[name] = _section(hints[name], value, name)
+            sections[name] = section_from_dict(hints[name], value, name)
     return RunConfig(**sections)
 
 

@@ -31,27 +31,28 @@ _DTYPES = {
 }
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The HF directory a checkpoint argument names (module docstring); raises
-    FileNotFoundError naming what is missing."""
+def resolve_checkpoint(path: str | Path, role: str = "actor") -> Path:
+    """The HF directory a checkpoint argument names (module docstring); for a run directory or a
+    weights checkpoint, its `role` ("actor" or "critic"). Raises FileNotFoundError naming what is
+    missing."""
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if (path / "config.json").is_file():
         return path
-    if (path / "actor" / "config.json").is_file():
-        return path / "actor"
+    if (path / role / "config.json").is_file():
+        return path / role
     weights = path / WEIGHTS_DIR
     if weights.is_dir():
-        steps = sorted(
-            (p for p in weights.iterdir() if (p / "actor" / "config.json").is_file()), key=_step_of
-        )
+        steps = sorted((p for p in weights.iterdir() if (p / role / "config.json").is_file()), key=_step_of)
         if not steps:
-            raise FileNotFoundError(f"run directory {path} has no weights checkpoint under {WEIGHTS_DIR}")
-        return steps[-1] / "actor"
+            raise FileNotFoundError(
+                f"run directory {path} has no {role} weights checkpoint under {WEIGHTS_DIR}"
+            )
+        return steps[-1] / role
     raise FileNotFoundError(
         f"{path} is neither an HF checkpoint directory (config.json + *.safetensors) nor a t1jax run "
-        f"directory (with {WEIGHTS_DIR}/<step>/actor)"
+        f"directory (with {WEIGHTS_DIR}/<step>/{role})"
     )
 
 

@@ -366,3 +366,14 @@ class EvalJob:
             {"finished_at": time.time(), "wall_sec_this_run": time.time() - started, "trials_run": len(todo)},
         )
         return result
+
+
+def per_task(job_dir: str | Path, key: str = "resolved") -> dict[str, list[float]]:
+    """Each task's trial outcomes (`key` of the trials' result.json) in a job directory; skipped
+    trials are left out, errored ones count as written (0)."""
+    outcomes: dict[str, list[float]] = defaultdict(list)
+    for path in sorted(Path(job_dir).glob("*/result.json")):
+        result = json.loads(path.read_text())
+        if not result["skipped"]:
+            outcomes[result["task_id"]].append(float(result[key]))
+    return dict(outcomes)
