@@ -134,3 +134,21 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys):
     assert main(["eval", "--tasks", str(TASKS), "--agent", "nop", "--attempts", "2", "--out",
                  str(tmp_path / "a" / "job"), "--no-progress"]) == 2  # fmt: skip
     assert "holds a job with other settings (attempts differ)" in capsys.readouterr().err
+
+
+def test_intervals_resample_tasks_and_a_paired_difference_excludes_zero_only_when_it_should():
+    from t1jax.eval.passk import bootstrap_interval, paired_difference
+
+    assert bootstrap_interval([[1, 1], [1, 1]]) == (1.0, 1.0)
+    low, high = bootstrap_interval([[1, 0, 1], [0, 0, 0], [1, 1, 1], [0, 1, 0]])
+    assert low < 0.5 < high  # the mean over tasks is 0.5
+    assert bootstrap_interval([]) is None
+    better = {f"t{i}": [1.0, 1.0] for i in range(12)}
+    worse = {f"t{i}": [0.0, 0.0] if i < 10 else [1.0, 1.0] for i in range(12)}
+    mean, low, high = paired_difference(better, worse)
+    assert mean == pytest.approx(10 / 12) and low > 0
+    mean, low, high = paired_difference(better, better)
+    assert (mean, low, high) == (0.0, 0.0, 0.0)
+    noisy = {f"t{i}": [float(i % 2)] for i in range(12)}
+    shifted = {f"t{i}": [float((i + 1) % 2)] for i in range(12)}
+    assert paired_difference(noisy, shifted)[1] < 0 < paired_difference(noisy, shifted)[2]
