@@ -174,6 +174,10 @@ class _TrialEnded(Exception):
         self.status, self.detail, self.cause = status, detail, cause
 
 
+class _Paused(Exception):
+    """The caller asked the trial to pause; it stops at the next turn boundary, state intact."""
+
+
 def run_trial(
     task: Task,
     sandbox: Sandbox,
@@ -195,6 +199,55 @@ def run_trial(
     `f"{trial_id}/{n}"`, n = 1, 2, ...; setting `cancel_event` aborts the in-flight request and
     ends the trial with status ABORTED."""
     return _Trial(task, sandbox, sampler, tokenizer, config, trial_id, sampling, cancel_event).run()
+
+
+class ResumableTrial:
+    """A trial that can pause at a turn boundary and continue later, e.g. under a newer policy
+    version (partial rollouts). `run()` returns the trajectory so far: a final status, or
+    `TrialStatus.PAUSED` once `pause_event` was set (an in-flight request is aborted and its turn
+    dropped; the sandbox, the history and every counter stay as they were). `resume(...)` goes on
+    from there with the sampler and events it is given, and returns the same way. The first turn
+    after a resume records routing for every row (the newer sampler re-fed the whole history, and
+    TITO replays that record over the older turns, which become context only); the turns of one
+    run all come from one policy version, as `run_trial`'s do."""
+
+    def __init__(
+        self,
+        task: Task,
+        sandbox: Sandbox,
+        sampler: Sampler,
+        tokenizer: ChatTokenizer,
+        config: HarnessConfig,
+        *,
+        trial_id: str,
+        sampling: SamplingParams,
+        cancel_event: threading.Event | None = None,
+        pause_event: threading.Event | None = None,
+    ):
+        self._trial = _Trial(task, sandbox, sampler, tokenizer, config, trial_id, sampling, cancel_event)
+        self._trial.pause_event = pause_event if pause_event is not None else threading.Event()
+
+    @property
+    def sandbox(self) -> Sandbox:
+        return self._trial.sandbox
+
+    def run(self) -> Trajectory:
+        return self._trial.run()
+
+    def resume(
+        self,
+        sampler: Sampler,
+        *,
+        cancel_event: threading.Event | None = None,
+        pause_event: threading.Event | None = None,
+    ) -> Trajectory:
+        trial = self._trial
+        trial.sampler = sampler
+        trial.cancel_event = cancel_event if cancel_event is not None else threading.Event()
+        trial.pause_event = pause_event if pause_event is not None else threading.Event()
+        trial.resumed_from_turn = sum(len(segment) for segment in trial.segments)
+        trial.record_every_row = True
+        return trial.run()
 
 
 def verify_trial(trajectory: Trajectory, sandbox: Sandbox) -> Trajectory:
@@ -220,6 +273,10 @@ class _Trial:
         self.config: HarnessConfig = config
         self.trial_id, self.sampling = trial_id, sampling
         self.cancel_event = cancel_event if cancel_event is not None else threading.Event()
+        self.pause_event = threading.Event()  # ResumableTrial sets a real one
+        self.resumed_from_turn = 0  # turns before it came from an earlier run (another version)
+        self.record_every_row = False  # the next turn keeps its whole routing record
+        self._loop_state: tuple[np.ndarray, int, bool] | None = None  # (prompt, glue_start, confirm)
         self.started_at = time.time()
         self.started = time.monotonic()
         timeout = task.limits.agent_timeout_sec
@@ -249,6 +306,8 @@ class _Trial:
         cause = TrialCause.NONE
         try:
             status, detail = self._loop()
+        except _Paused:
+            status, detail = TrialStatus.PAUSED, f"paused after {self.stats.action_turns} action turns"
         except _TrialEnded as ended:
             status, detail, cause = ended.status, ended.detail, ended.cause
         except Exception as error:  # a bug in the harness itself: report it, keep the turns
@@ -272,11 +331,15 @@ class _Trial:
         )
 
     def _loop(self) -> tuple[TrialStatus, str]:
-        prompt = self._encode_messages(prompts.initial_messages(self.task.instruction, self.workdir))
-        glue_start = 0
-        confirm_pending = False
+        if self._loop_state is None:
+            prompt = self._encode_messages(prompts.initial_messages(self.task.instruction, self.workdir))
+            self._loop_state = (prompt, 0, False)
+        prompt, glue_start, confirm_pending = self._loop_state
         while True:
+            self._loop_state = (prompt, glue_start, confirm_pending)  # where a pause resumes from
             self._check_time()
+            if self.pause_event.is_set():
+                raise _Paused()
             if self.stats.action_turns >= self.config.max_turns:
                 return TrialStatus.MAX_TURNS, f"reached max_turns = {self.config.max_turns}"
             max_new = self._action_budget(len(prompt))
@@ -373,7 +436,8 @@ class _Trial:
                 finished.set()
 
         threading.Thread(target=call, name=f"t1jax-generate-{request_id}", daemon=True).start()
-        self._wait_for_sampler(request_id, finished)
+        # Only an action turn pauses (a summary turn finishes: it is half of a compaction).
+        self._wait_for_sampler(request_id, finished, pausable=kind is TurnKind.ACTION)
         error = outcome.get("error")
         if isinstance(error, SamplerTimeout):
             raise _TrialEnded(TrialStatus.ERROR, str(error), TrialCause.SAMPLER_TIMEOUT)
@@ -384,11 +448,17 @@ class _Trial:
                 TrialCause.SAMPLER_ERROR,
             )
         results = outcome["results"]
+        if kind is TurnKind.ACTION and self.pause_event.is_set() and not self.cancel_event.is_set():
+            # The request was aborted (or finished) because the trial pauses: drop the turn, so
+            # the next run generates it afresh from the same prompt.
+            if results and results[0].finish_reason is FinishReason.ABORT:
+                raise _Paused()
         elapsed = time.monotonic() - started
         self.stats = dataclasses.replace(self.stats, generate_sec=self.stats.generate_sec + elapsed)
         result = self._validated(results, request)
         routing, routing_start = result.routing, 0
-        if routing is not None and self.config.trim_routing and glue_start > 0:
+        keep_every_row, self.record_every_row = self.record_every_row, False
+        if routing is not None and self.config.trim_routing and glue_start > 0 and not keep_every_row:
             routing_start = glue_start - 1
             routing = np.ascontiguousarray(routing[routing_start:])
         turn = Turn(
@@ -404,14 +474,15 @@ class _Trial:
             request_id=request_id,
             generate_sec=elapsed,
         )
-        first_version = next((t.policy_version for segment in self.segments for t in segment), None)
+        since_resume = [t for segment in self.segments for t in segment][self.resumed_from_turn :]
+        first_version = since_resume[0].policy_version if since_resume else None
         self.segments[-1].append(turn)  # kept even when it ends the trial, so the record shows why
         self._check_version(first_version, turn)
         if kind is TurnKind.SUMMARY:
             self.stats = dataclasses.replace(self.stats, summary_turns=self.stats.summary_turns + 1)
         return turn
 
-    def _wait_for_sampler(self, request_id: str, finished: threading.Event) -> None:
+    def _wait_for_sampler(self, request_id: str, finished: threading.Event, *, pausable: bool) -> None:
         """Wait for the sampler call; abort it when the caller cancels or the deadline passes,
         whichever first (a live sampler then returns what it has at once). A cancelled trial does
         not wait for a sampler that ignores the abort (a hung engine) beyond `ABORT_GRACE_SEC`:
@@ -423,7 +494,8 @@ class _Trial:
                 cancelled = self.cancel_event.wait(timeout=min(0.25, max(self._remaining_sec(), 0.0)))
                 if finished.is_set():
                     return
-                if cancelled or self._remaining_sec() <= 0:
+                paused = pausable and self.pause_event.is_set()
+                if cancelled or paused or self._remaining_sec() <= 0:
                     try:
                         self.sampler.abort([request_id])
                     except Exception:  # best effort: generate still returns or raises on its own
@@ -470,7 +542,8 @@ class _Trial:
         return result
 
     def _check_version(self, first: int | None, turn: Turn) -> None:
-        """Every turn of a trial must come from the version that served its first turn."""
+        """Every turn of a trial (of a run since its last resume) must come from the version that
+        served its first turn."""
         if not self.config.single_policy_version or first is None or turn.policy_version == first:
             return
         raise _TrialEnded(

@@ -155,8 +155,18 @@ class _Stream:
         return np.concatenate([getattr(chunk, name) for chunk in self.chunks])
 
 
-def assemble_trajectory(trajectory: Trajectory, reward: float, tokenizer=None) -> Assembly:
+def assemble_trajectory(
+    trajectory: Trajectory, reward: float, tokenizer=None, *, older_versions: str = "refuse"
+) -> Assembly:
     """Stitch every segment of `trajectory` into samples sharing `reward`.
+
+    `older_versions` says what a trajectory whose turns span policy versions becomes:
+    "refuse" (the default) raises `MixedPolicyVersions`; "mask" is for a trial continued across a
+    publication (partial rollouts): the turns of versions older than its newest stay in the
+    stream as context with no loss (their tokens were sampled by another behaviour policy), every
+    routing row is taken from a newest-version turn's capture (so the replayed selection is the
+    one the newest sampler made on that context), and each sample carries the newest version.
+    A segment with no newest-version turn yields no sample.
 
     `tokenizer` (a `ChatTokenizer`, or anything with `decode_bytes(ids) -> bytes`) is needed only
     for boundaries that are not exact prefixes; without it such a boundary forks.
@@ -165,7 +175,12 @@ def assemble_trajectory(trajectory: Trajectory, reward: float, tokenizer=None) -
     behaviour policy generated it, so it is refused rather than labelled with one of them) and
     `TitoDriftError` (a bug: the audit found a drifted loss position).
     """
-    _ = trajectory.policy_version  # raises MixedPolicyVersions for a trial that crossed a publication
+    if older_versions not in ("refuse", "mask"):
+        raise ValueError(f"older_versions must be 'refuse' or 'mask', got {older_versions!r}")
+    versions = trajectory.policy_versions
+    if older_versions == "refuse":
+        _ = trajectory.policy_version  # raises MixedPolicyVersions for a trial that crossed a publication
+    newest = versions[-1] if versions else 0
     turns = trajectory.turns
     with_routing = sum(turn.routing is not None for turn in turns)
     if 0 < with_routing < len(turns):
@@ -180,7 +195,9 @@ def assemble_trajectory(trajectory: Trajectory, reward: float, tokenizer=None) -
     for segment in trajectory.segments:
         if not segment.turns:
             continue
-        seg_samples, seg_boundaries = _assemble_segment(trajectory, segment, reward, bytes_of)
+        if all(turn.policy_version < newest for turn in segment.turns):
+            continue  # all context from an older version: nothing left to train on
+        seg_samples, seg_boundaries = _assemble_segment(trajectory, segment, reward, bytes_of, newest)
         samples += seg_samples
         boundaries += seg_boundaries
     total = AuditCounts()
@@ -195,7 +212,7 @@ def assemble(trajectory: Trajectory, reward: float, tokenizer=None) -> list[Samp
 
 
 def _assemble_segment(
-    trajectory: Trajectory, segment: Segment, reward: float, bytes_of: BytesOf | None
+    trajectory: Trajectory, segment: Segment, reward: float, bytes_of: BytesOf | None, newest: int
 ) -> tuple[list[Sample], list[BoundaryRecord]]:
     turns = segment.turns
     finished: list[tuple[_Stream, list[BoundaryRecord]]] = []
@@ -211,7 +228,11 @@ def _assemble_segment(
             stream.append_turn(i, turns[i], 0)
     finished.append((stream, records))
     # A stream of fewer than two tokens (a one-token prompt and nothing sampled) predicts nothing.
-    samples = [_finish(trajectory, turns, s, recs, reward) for s, recs in finished if s.length >= 2]
+    samples = [
+        _finish(trajectory, turns, s, recs, reward, newest)
+        for s, recs in finished
+        if s.length >= 2 and any(turns[c.turn_index].policy_version == newest for c in s.chunks)
+    ]
     return samples, [r for _, recs in finished for r in recs]
 
 
@@ -319,11 +340,13 @@ def _finish(
     stream: _Stream,
     records: list[BoundaryRecord],
     reward: float,
+    newest: int,
 ) -> Sample:
+    where = f"trial {trajectory.trial_id} segment {stream.segment_index}"
+    masked_older = _mask_older_versions(stream, turns, newest, where)
     tokens = stream.concatenated("tokens")
     loss_mask = stream.concatenated("loss_mask")
     num_tokens = len(tokens)
-    where = f"trial {trajectory.trial_id} segment {stream.segment_index}"
     routing, placeholders = None, 0
     if turns[0].routing is not None:
         routing, placeholders = _stitch_routing(
@@ -351,6 +374,7 @@ def _finish(
         boundaries_retokenized=case_counts[BoundaryCase.RETOKENIZED],
         boundaries_text_fallback=case_counts[BoundaryCase.TEXT_FALLBACK],
         boundaries_forked=case_counts[BoundaryCase.FORK],
+        masked_older_version=masked_older,
     )
     turn_indices = [chunk.turn_index for chunk in stream.chunks]
     sample_turns = [turns[i] for i in turn_indices]
@@ -363,18 +387,61 @@ def _finish(
         task_id=trajectory.task_id,
         trajectory_id=trajectory.trial_id,
         segment_index=stream.segment_index,
-        policy_version=sample_turns[0].policy_version,  # every turn's (checked on entry)
+        policy_version=newest,  # every loss token's (older turns are context only)
         audit=counts,
         fork_index=stream.fork_index,
     )
     provenance = SampleProvenance(
         turns=tuple(sample_turns),
-        masked_by_repair=tuple(stream.dropped_loss_by_turn.get(i, 0) for i in turn_indices),
+        masked_by_repair=tuple(
+            len(turns[i].completion_ids)
+            if turns[i].policy_version < newest
+            else stream.dropped_loss_by_turn.get(i, 0)
+            for i in turn_indices
+        ),
     )
     drift = audit_sample(sample, provenance)
     if drift:
         raise TitoDriftError(f"{where}: {drift} loss positions differ from the sampler's records")
     return sample
+
+
+def _mask_older_versions(stream: _Stream, turns: Sequence[Turn], newest: int, where: str) -> int:
+    """A continued trial's older-version turns become context: their sampled tokens lose their
+    loss and logprobs, and every routing row the stream took from them is taken instead from the
+    first newest-version turn, whose prompt holds the whole stream before it verbatim (the
+    token-in harness guarantees it; anything else is refused). Returns the loss tokens masked."""
+    older = {c.turn_index for c in stream.chunks if turns[c.turn_index].policy_version < newest}
+    if not older:
+        return 0
+    masked = 0
+    for chunk in stream.chunks:
+        if chunk.turn_index in older:
+            masked += int(chunk.loss_mask.sum())
+            chunk.loss_mask[:] = 0
+            chunk.logprobs[:] = 0.0
+    first_new = next(c for c in stream.chunks if turns[c.turn_index].policy_version == newest)
+    resumed = turns[first_new.turn_index]
+    before = np.concatenate([c.tokens for c in stream.chunks[: stream.chunks.index(first_new)]])
+    if not np.array_equal(resumed.prompt_ids[: len(before)], before) or resumed.routing is None:
+        raise RoutingAlignmentError(
+            f"{where}: turn {resumed.request_id} continues the trial under version {newest} but its "
+            "prompt does not hold the earlier stream verbatim, or it has no routing record"
+        )
+    if resumed.routing_start > 0:
+        raise RoutingMissingError(
+            f"{where}: turn {resumed.request_id} continues the trial under a new version but recorded "
+            f"routing only from row {resumed.routing_start}; a resumed turn must record every row"
+        )
+    position = 0
+    for chunk in stream.chunks:
+        if chunk is first_new:
+            break
+        stale = np.isin(chunk.row_turn, [*older, _PENDING])
+        chunk.row_turn[stale] = first_new.turn_index
+        chunk.row_index[stale] = position + np.nonzero(stale)[0]
+        position += len(chunk.tokens)
+    return masked
 
 
 def _stitch_routing(

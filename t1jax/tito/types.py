@@ -129,6 +129,7 @@ class AuditCounts:
     boundaries_retokenized: int = 0  # Case 7: bounded re-tokenisation repair at the boundary
     boundaries_text_fallback: int = 0  # Case 8: text-space fallback, Eq. 10
     boundaries_forked: int = 0  # no relation found: the next turn starts a new sample
+    masked_older_version: int = 0  # sampled tokens of a continued trial's older versions (context only)
 
     def __add__(self, other: AuditCounts) -> AuditCounts:
         return AuditCounts(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
@@ -206,6 +207,7 @@ class TrialStatus(enum.StrEnum):
     MAX_TURNS = "max_turns"  # the action-turn budget is spent
     ABORTED = "aborted"  # cancelled by the caller, or the sampler's records were unusable
     ERROR = "error"  # the sampler or the sandbox raised; `detail` says which and why
+    PAUSED = "paused"  # stopped at a turn boundary to continue later (partial rollouts)
 
 
 class TrialCause(enum.StrEnum):

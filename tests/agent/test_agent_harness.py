@@ -444,3 +444,42 @@ def test_a_publication_inside_a_trial_ends_it_instead_of_mixing_versions(sandbox
     assert trajectory.policy_versions == (0, 7)
     with pytest.raises(MixedPolicyVersions):
         assemble_trajectory(trajectory, 0.5, TOK)  # refused even when the harness let it run
+
+
+def test_a_paused_trial_resumes_under_a_new_version_and_trains_only_its_new_turns(sandbox_for):
+    """Partial rollouts: pause during the second turn (its request aborted and dropped), publish
+    version 1, resume: the history and the sandbox are kept, the turns after the resume are
+    version 1 (the first one with its whole routing record), and TITO trains only those."""
+    from t1jax.agent.harness import ResumableTrial
+
+    task, sandbox = sandbox_for()
+    sampler = ScriptedSampler(TOK, policies.solver(["ls", "pwd", "ls"]), delay_sec=0.3)
+    pause = threading.Event()
+    trial = ResumableTrial(
+        task, sandbox, sampler, TOK, SMALL, trial_id="paused", sampling=SAMPLING, pause_event=pause
+    )
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(first=trial.run()))
+    runner.start()
+    while len(sampler.requests) < 2:  # the second request is in flight
+        time.sleep(0.01)
+    pause.set()
+    runner.join(timeout=30)
+    first = result["first"]
+    assert first.status is TrialStatus.PAUSED and first.cause is TrialCause.NONE
+    assert first.num_turns == 1 and first.stats.action_turns == 1  # the aborted turn was dropped
+    sampler.publish(None, 1)
+    final = trial.resume(sampler)
+    assert final.status is TrialStatus.COMPLETED, final.detail
+    versions = [turn.policy_version for turn in final.turns]
+    assert versions[0] == 0 and set(versions[1:]) == {1}
+    assert final.turns[1].routing_start == 0 and final.turns[2].routing_start > 0
+    assert (
+        final.turns[1].prompt_ids.tolist()
+        == final.turns[0].full_ids.tolist()
+        + final.turns[1].prompt_ids.tolist()[len(final.turns[0].full_ids) :]
+    )
+    (sample,) = assemble_trajectory(final, 0.5, TOK, older_versions="mask").samples
+    assert sample.policy_version == 1
+    assert sample.audit.masked_older_version == len(final.turns[0].completion_ids)
+    assert sample.num_loss_tokens == sum(len(t.completion_ids) for t in final.turns[1:])

@@ -21,6 +21,7 @@ from t1jax.tito.assembler import REPAIR_MAX_DROP, assemble, assemble_trajectory
 from t1jax.tito.audit import SampleProvenance, audit_metrics, audit_sample
 from t1jax.tito.types import (
     BoundaryCase,
+    MixedPolicyVersions,
     RoutingAlignmentError,
     RoutingMissingError,
     Segment,
@@ -513,3 +514,56 @@ def test_audit_metrics_are_flat_and_sum_over_samples():
     assert metrics["tito/samples"] == 2.0
     assert metrics["tito/loss_tokens"] == 2.0 * len(first.completion_ids)
     assert metrics["tito/drift_in_loss_region"] == 0.0 and metrics["tito/drift_rate"] == 0.0
+
+
+# ---- a trial continued across a publication (partial rollouts) ----------------------------------
+
+
+def continued_trial():
+    """Two turns under version 0, then (after a publication) the trial continues under version 1:
+    the resumed turn re-fed the whole prompt, so its routing covers every row."""
+    prompt = text_ids("user: fix it\n")
+    first = make_turn(0, prompt, text_ids("ls") + [TOK.im_end_id], version=0)
+    glue = text_ids("\nout\n")
+    second = make_turn(1, list(first.full_ids) + glue, text_ids("cat a") + [TOK.im_end_id], version=0)
+    third = make_turn(2, list(second.full_ids) + glue, text_ids("done") + [TOK.im_end_id], version=1)
+    return [first, second, third]
+
+
+def test_a_continued_trial_trains_only_its_newest_version_with_its_routing():
+    turns = continued_trial()
+    trajectory = trajectory_of(turns)
+    with pytest.raises(MixedPolicyVersions, match=r"\[0, 1\]"):
+        assemble_trajectory(trajectory, 1.0, TOK)
+    (sample,) = assemble_trajectory(trajectory, 1.0, TOK, older_versions="mask").samples
+    assert sample.policy_version == 1
+    old_loss = len(turns[0].completion_ids) + len(turns[1].completion_ids)
+    assert sample.audit.masked_older_version == old_loss
+    assert sample.num_loss_tokens == len(turns[2].completion_ids)  # only the newest turn trains
+    np.testing.assert_array_equal(sample.tokens, turns[2].full_ids)
+    # Every routing row comes from the resumed (version 1) turn's capture: row j names position j
+    # and turn 2 (routing_for writes [position, turn] into every row).
+    np.testing.assert_array_equal(sample.routing[:, 0, 0], np.arange(len(sample.tokens) - 1))
+    assert set(sample.routing[:, 0, 1].tolist()) == {2}
+    check_sample_invariants(sample, {2: turns[2]})
+
+
+def test_a_resumed_turn_without_the_whole_routing_record_is_refused():
+    turns = continued_trial()
+    resumed = turns[2]
+    trimmed = Turn(
+        prompt_ids=resumed.prompt_ids,
+        completion_ids=resumed.completion_ids,
+        logprobs=resumed.logprobs,
+        routing=resumed.routing[5:],
+        finish_reason=resumed.finish_reason,
+        policy_version=1,
+        routing_start=5,
+        request_id="r2",
+    )
+    with pytest.raises(RoutingMissingError, match="a resumed turn must record every row"):
+        assemble_trajectory(trajectory_of(turns[:2] + [trimmed]), 1.0, TOK, older_versions="mask")
+    # A segment entirely of the older version (compacted before the pause) yields no sample.
+    old_segment = [make_turn(3, text_ids("user: again\n"), text_ids("pwd") + [TOK.im_end_id], version=0)]
+    assembly = assemble_trajectory(trajectory_of(old_segment, turns), 1.0, TOK, older_versions="mask")
+    assert [s.segment_index for s in assembly.samples] == [1]
