@@ -199,9 +199,13 @@ class LoggingSection:
 
 @dataclass(frozen=True)
 class PartialRolloutsSection:
-    """Continue cancelled trials in the next step instead of dropping them (paper §10, slime's
-    partial rollouts). Their old turns were sampled by an older version: they stay context and are
-    masked out of the loss (the ratio of Eq. 26 needs one behaviour version per sample)."""
+    """Continue the straggler tail in the next step instead of cancelling it (paper §10, slime's
+    partial rollouts): the tail is paused at a turn boundary with its sandbox kept, and the next
+    rollout continues it under the newly published version. Turns an older version sampled stay
+    in the stream as context and are masked out of the loss (Eq. 26 needs one behaviour version
+    per sample, so staleness stays exactly as asserted); the routing replayed over them is the one
+    the newer sampler recorded when it re-fed the history. A trial paused more than
+    `max_age_steps` times is dropped (closed). After a crash, paused trials start afresh."""
 
     enabled: bool = False
     max_age_steps: int = 1  # a trial older than this is dropped, not continued
@@ -317,8 +321,6 @@ class RunConfig:
                 )
         need(self.rl.batching.rows_per_micro_batch > 0, "rl.batching.rows_per_micro_batch", "must be > 0")
         need(self.partial_rollouts.max_age_steps >= 1, "partial_rollouts.max_age_steps", "must be >= 1")
-        need(not self.partial_rollouts.enabled, "partial_rollouts.enabled",
-             "continuation of cancelled trials is not available yet; the tail is cancelled")  # fmt: skip
 
     def check_devices(self, available: int, plan_devices: int | None = None) -> None:
         """The split against the devices the process sees (before any device work)."""

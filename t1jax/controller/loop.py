@@ -59,16 +59,18 @@ class RunInterrupted(Exception):
 class _BackgroundCollect:
     """`scheduler.collect` in a thread: the rollout of the next step while this one trains."""
 
-    def __init__(self, scheduler, specs, n_admit):
+    def __init__(self, scheduler, specs, n_admit, *, carried=(), pause_tail=False):
         self.result = None
         self.error: BaseException | None = None
         self.started = time.monotonic()
-        self._thread = threading.Thread(target=self._run, args=(scheduler, specs, n_admit), daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(scheduler, specs, n_admit, carried, pause_tail), daemon=True
+        )
         self._thread.start()
 
-    def _run(self, scheduler, specs, n_admit):
+    def _run(self, scheduler, specs, n_admit, carried, pause_tail):
         try:
-            self.result = scheduler.collect(specs, n_admit)
+            self.result = scheduler.collect(specs, n_admit, carried=carried, pause_tail=pause_tail)
         except BaseException as error:  # re-raised in the controller's thread by wait()
             self.error = error
 
@@ -85,9 +87,9 @@ class _BackgroundCollect:
 class _Batch:
     """A collected rollout and the pool draws it was launched from."""
 
-    draws: list
+    draws: list  # the fresh pool draws launched
     collected: Any  # CollectedBatch
-    relaunched: bool = False
+    extra_draws: list = dataclasses.field(default_factory=list)  # continued or relaunched draws in it
 
 
 class Controller:
@@ -105,6 +107,9 @@ class Controller:
         self.liveness: Liveness | None = None
         self.split = None
         self.skip_publication_at: set[int] = set()  # fault injection for tests (a publication "lost")
+        self.carried: list = []  # paused trials (partial rollouts), continued by the next rollout
+        self._draw_of: dict[str, Any] = {}  # trial id -> the pool draw it plays
+        self._relaunch: list = []  # draws a resumed run launches again (their trials died with the process)
 
     # ---- entry point -------------------------------------------------------------------------
 
@@ -174,6 +179,7 @@ class Controller:
             create_attempts=config.sandboxes.create_attempts,
         )
         self._closers.insert(0, self.scheduler.close)  # trials end before the sandboxes close
+        self._closers.insert(1, lambda: [carried.discard() for carried in self.carried])
         self.split = PolicySplit(devices, self.learner, self.sampler, self.scheduler)
         seed = config.run.seed if config.tasks.shuffle_seed is None else config.tasks.shuffle_seed
         self.pool, load_errors = TaskPool.from_directory(
@@ -199,6 +205,7 @@ class Controller:
         step = self.checkpoints.restore(self.learner)
         extra = self.checkpoints.record(step)["extra"]
         self.pool.restore(extra["pool"])
+        self._relaunch = [self.pool.at(index) for index in extra.get("relaunch", [])]
         self.completed_step = int(extra["step"])
         self.counters.update(extra.get("counters", {}))
         self.counters["resumes"] += 1
@@ -259,10 +266,8 @@ class Controller:
             next_draws = None
             if asynchronous and step < steps:
                 next_draws = self.pool.draw(config.schedule.launch_size)
-                in_flight = _BackgroundCollect(
-                    self.scheduler, self._specs(step + 1, next_draws), config.schedule.batch_size
-                )
-                self.display.refresh(phase="training + rollout", launched=len(next_draws))
+                in_flight, extra_draws = self._launch(step + 1, next_draws)
+                self.display.refresh(phase="training + rollout", launched=len(next_draws) + len(extra_draws))
             else:
                 self.display.refresh(phase="training")
             train_started = time.monotonic()
@@ -272,7 +277,7 @@ class Controller:
             if in_flight is not None:
                 self.display.refresh(phase="waiting for the rollout")
                 collected = in_flight.wait(self._poll)
-                next_batch = _Batch(next_draws, collected)
+                next_batch = self._collected(next_draws, collected, extra_draws)
             publish_started = time.monotonic()
             if step in self.skip_publication_at:
                 log.warning("fault injection: the publication of step %d is skipped", step)
@@ -369,17 +374,40 @@ class Controller:
             TrialSpec(f"s{step:05d}-d{draw.index}", draw.task, params, attempt=draw.epoch) for draw in draws
         ]
 
-    def _collect(self, step: int, draws=None) -> _Batch:
-        """A rollout in the foreground (the first one of a process, or every one when synchronous)."""
-        draws = self.pool.draw(self.config.schedule.launch_size) if draws is None else draws
-        self.display.refresh(phase="rollout", launched=len(draws))
+    def _launch(self, step: int, draws) -> tuple[_BackgroundCollect, list]:
+        """Start the rollout trained at `step`: trials the run continues (partial rollouts) or
+        launches again (after a resume), then the fresh `draws`. Returns it and the extra draws."""
+        carried, self.carried = self.carried, []
+        relaunch, self._relaunch = self._relaunch, []
+        specs = self._specs(step, [*relaunch, *draws])
+        for spec, draw in zip(specs, [*relaunch, *draws], strict=True):
+            self._draw_of[spec.trial_id] = draw
+        extra = [self._draw_of[c.trial_id] for c in carried] + relaunch
+        pause_tail = self.config.partial_rollouts.enabled
         collect = _BackgroundCollect(
-            self.scheduler, self._specs(step, draws), self.config.schedule.batch_size
+            self.scheduler, specs, self.config.schedule.batch_size, carried=carried, pause_tail=pause_tail
         )
+        return collect, extra
+
+    def _collected(self, draws, collected, extra_draws) -> _Batch:
+        """A finished rollout; its paused tail is carried to the next one, up to the age limit."""
+        for trial in collected.paused:
+            if trial.carried.runs <= self.config.partial_rollouts.max_age_steps:
+                self.carried.append(trial.carried)
+            else:
+                trial.carried.discard()
+                self.counters["paused_trials_too_old"] += 1
+        return _Batch(draws, collected, extra_draws)
+
+    def _collect(self, step: int) -> _Batch:
+        """A rollout in the foreground (the first one of a process, or every one when synchronous)."""
+        draws = self.pool.draw(self.config.schedule.launch_size)
+        collect, extra = self._launch(step, draws)
+        self.display.refresh(phase="rollout", launched=len(draws) + len(extra))
         collected = collect.wait(self._poll)
         if self._stop.is_set():
             raise RunInterrupted()
-        return _Batch(draws, collected)
+        return self._collected(draws, collected, extra)
 
     # ---- training ----------------------------------------------------------------------------
 
@@ -450,10 +478,11 @@ class Controller:
         from t1jax.runtime.records import trajectory_json, trial_summary
 
         collected = batch.collected
-        index_of = {f"s{step:05d}-d{d.index}": d.index for d in batch.draws}
+        index_of = {trial_id: draw.index for trial_id, draw in self._draw_of.items()}
         fates = {name: [index_of.get(t.trial_id, -1) for t in getattr(collected, name)]
-                 for name in ("admitted", "dropped", "cancelled", "failed")}  # fmt: skip
-        draws = {"draws": [d.index for d in batch.draws], "task_ids": [d.task.task_id for d in batch.draws]}
+                 for name in ("admitted", "dropped", "cancelled", "failed", "paused")}  # fmt: skip
+        draws = {"draws": [d.index for d in batch.draws], "task_ids": [d.task.task_id for d in batch.draws],
+                 "extra_draws": [d.index for d in batch.extra_draws]}  # fmt: skip
         self.run_dir.log_launches(step, {**draws, **fates})
         self.run_dir.log_step(step, metrics)
         if self.config.logging.trajectories:
@@ -472,9 +501,19 @@ class Controller:
     def _save_state(self, step: int, next_batch: _Batch | None) -> None:
         """Learner after `step`, and the pool cursor at the first draw not trained on yet."""
         pool = self.pool.state()
+        relaunch = [draw.index for draw in self._relaunch]
         if next_batch is not None:
             pool["cursor"] = next_batch.draws[0].index
-        extra = {"step": step, "pool": pool, "counters": dict(self.counters), "run_id": self.run_id}
+            relaunch = [draw.index for draw in next_batch.extra_draws]
+        # Paused trials cannot outlive the process: after a resume their draws start afresh.
+        relaunch += [self._draw_of[c.trial_id].index for c in self.carried]
+        extra = {
+            "step": step,
+            "pool": pool,
+            "relaunch": relaunch,
+            "counters": dict(self.counters),
+            "run_id": self.run_id,
+        }
         self.checkpoints.save(self.learner, extra=extra)
         log.info("state checkpoint after step %d (pool cursor %d)", step, pool["cursor"])
 

@@ -71,6 +71,23 @@ def rollout_metrics(trials: Iterable[FinishedTrial], prefix: str = "rollout") ->
                 sum(getattr(t.timings, phase) for t in started) / total
             )
     metrics.update({f"{prefix}/{k}": v for k, v in trial_metrics(t.trajectory for t in played).items()})
+    # Partial rollouts: trials continued from an earlier rollout, the tokens they did not have to
+    # generate again, and how many of those an older policy version sampled (context only).
+    continued = [trial for trial in trials if trial.continued and trial.trajectory is not None]
+    metrics[f"{prefix}/continued_trials"] = float(len(continued))
+    metrics[f"{prefix}/reused_tokens"] = float(
+        sum(
+            len(t.completion_ids) for trial in continued for t in trial.trajectory.turns[: trial.reused_turns]
+        )
+    )
+    metrics[f"{prefix}/reused_tokens_older_version"] = float(
+        sum(
+            s.audit.masked_older_version
+            for trial in continued
+            if trial.assembly
+            for s in trial.assembly.samples
+        )
+    )
     samples = [s for trial in trials if trial.assembly is not None for s in trial.assembly.samples]
     if samples:
         metrics.update({f"{prefix}/{k}": v for k, v in audit_metrics(samples).items()})
@@ -108,6 +125,7 @@ def selection_metrics(batch: CollectedBatch, prefix: str = "tail") -> dict[str, 
         "dropped": batch.dropped,
         "cancelled": batch.cancelled,
         "failed": batch.failed,
+        "paused": batch.paused,
     }
     launched = batch.all
     metrics: dict[str, float] = {

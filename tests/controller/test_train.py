@@ -300,3 +300,49 @@ def test_the_training_curves_notebook_runs_on_this_run(reference_run, monkeypatc
         "tito.png",
     }
     assert all(p.stat().st_size > 1000 for p in written)
+
+
+class SlowForSomeTrials:
+    """The real engine, but every reply to a trial whose pool draw is odd arrives 3 s late (the
+    straggler tail), so the tail is still running when the batch is full."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, requests, *, timeout_sec=None):
+        results = self.engine.generate(requests, timeout_sec=timeout_sec)
+        if any(int(r.request_id.split("/")[0].split("-d")[1]) % 2 for r in requests):
+            time.sleep(3.0)
+        return results
+
+
+def test_partial_rollouts_continue_the_paused_tail_under_the_next_version(tmp_path, monkeypatch):
+    """With partial rollouts, the tail is paused instead of cancelled: its sandboxes stay open,
+    the next rollout continues those trials under the newly published version, their older turns
+    are context without loss, and staleness is still exactly as promised."""
+    import t1jax.controller.build as build
+
+    real_build_sampler = build.build_sampler
+    monkeypatch.setattr(
+        build, "build_sampler", lambda *a, **k: SlowForSomeTrials(real_build_sampler(*a, **k))
+    )
+    raw = run_config(tmp_path, **{"partial_rollouts.enabled": True, "partial_rollouts.max_age_steps": 2})
+    raw["schedule"] = {"batch_size": 2, "launch_size": 4}
+    raw["harness"]["max_turns"] = 3
+    config = run_config_from_dict(raw)
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.create(config.resolved())
+    assert train(config, run_dir, resume=False, base_dir=tmp_path) == 0
+    rows = read_metrics(run_dir.path)
+    assert [row["rl/staleness"] for row in rows] == [0, 1, 1]
+    assert sum(row["tail/paused"] for row in rows) > 0
+    continued = sum(row["rollout/continued_trials"] for row in rows)
+    assert continued > 0 and sum(row["rollout/reused_tokens"] for row in rows) > 0
+    launches = launches_by_step(run_dir.path)
+    assert any(record["extra_draws"] for record in launches.values())  # a step continued older draws
+    trained = [i for record in launches.values() for i in record["admitted"]]
+    assert len(trained) == len(set(trained))  # a continued draw is trained once
+    assert not live_sandboxes(tmp_path)  # the tail still paused at the end was closed

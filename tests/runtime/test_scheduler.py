@@ -362,3 +362,61 @@ def test_a_flaky_provider_and_a_hung_sampler_end_trials_with_the_component_named
     finally:
         release.set()
         admission.shutdown()
+
+
+class _SlowReplies:
+    """The real engine, with every reply to the trials in `slow` held back for a while."""
+
+    def __init__(self, engine, slow: set[str], delay_sec: float):
+        self.engine, self.slow, self.delay_sec = engine, slow, delay_sec
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, requests, *, timeout_sec=None):
+        results = self.engine.generate(requests, timeout_sec=timeout_sec)
+        if any(r.request_id.rsplit("/", 1)[0] in self.slow for r in requests):
+            time.sleep(self.delay_sec)
+        return results
+
+
+def test_a_paused_tail_continues_under_the_next_version_and_is_scored_by_it(
+    sandboxes, tasks, tokenizer, tiny_policy
+):
+    """Partial rollouts at the scheduler: the slow half of a batch is paused (sandboxes kept), a
+    new version is published, and the next collect continues those trials. Their samples train
+    only the new version's turns, and the trainer scores them with the new weights and the
+    routing the new sampler recorded over the whole history: equal to the sampler's log-probs."""
+    harness = dataclasses.replace(RANDOM_HARNESS, max_turns=3)
+    config = EngineConfig(max_batch=4, max_context=harness.context_window, block_size=64)
+    new_params = jax.tree.map(lambda x: x * 1.5, nnx.state(tiny_policy, nnx.Param))
+    specs = specs_for(tasks, 4, "tail")
+    slow = {"tail-1", "tail-3"}
+    with JaxEngine(tiny_policy, jax.devices()[4:5], config) as engine:
+        sampler = _SlowReplies(engine, slow, delay_sec=2.0)
+        with TrialScheduler(
+            sampler=sampler, sandboxes=sandboxes, tokenizer=tokenizer, harness=harness, reward=REWARD,
+            run_id="sched-partial", concurrency=4,
+        ) as scheduler:  # fmt: skip
+            first = scheduler.collect(specs, n_admit=2, pause_tail=True)
+            assert {t.trial_id for t in first.admitted} == {"tail-0", "tail-2"}
+            assert {t.trial_id for t in first.paused} == slow and not first.cancelled
+            assert all(t.carried is not None and t.action_turns < 3 for t in first.paused)
+            assert len(sandboxes.trials("sched-partial")) == 2  # the paused trials' sandboxes are alive
+            scheduler.publish(new_params, 1)
+            carried = [t.carried for t in first.paused]
+            second = scheduler.collect(specs_for(tasks, 2, "next"), n_admit=4, carried=carried)
+    continued = [t for t in second.admitted if t.trial_id in slow]
+    assert len(continued) == 2 and all(t.continued == 1 and t.reused_turns >= 1 for t in continued)
+    weights = {1: new_params}
+    for trial in continued:
+        versions = [turn.policy_version for turn in trial.trajectory.turns]
+        assert versions[: trial.reused_turns] == [0] * trial.reused_turns and set(
+            versions[trial.reused_turns :]
+        ) == {1}
+        for sample in trial.assembly.samples:
+            assert sample.policy_version == 1 and sample.audit.masked_older_version > 0
+            assert _max_logprob_gap(tiny_policy, weights[1], sample) < 1e-4
+    metrics = rollout_metrics(second.all)
+    assert metrics["rollout/continued_trials"] == 2 and metrics["rollout/reused_tokens"] > 0
+    assert not sandboxes.leak_check("sched-partial").leaked
