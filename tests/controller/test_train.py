@@ -173,37 +173,64 @@ def test_three_steps_one_ahead_and_everything_a_run_directory_promises(reference
     assert not live_sandboxes(tmp_path)
 
 
-def test_sigkill_during_step_2_then_resume_trains_the_same_draws(reference_run, tmp_path):
-    _, reference = reference_run
-    raw = run_config(tmp_path)
-    config_path = tmp_path / "run.yaml"
-    config_path.write_text(yaml.safe_dump(raw))
-    run = tmp_path / "run"
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path.parent / "jax-cache")}
-    command = [sys.executable, "-m", "t1jax.cli", "train"]
-    process = subprocess.Popen(
-        [*command, "--config", str(config_path), "--run-dir", str(run)],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+def _start(command, env):
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _wait_for_step(process, run: Path, step: int) -> None:
+    """Until `step` is fully recorded (its metrics line and its state checkpoint)."""
     deadline = time.monotonic() + 600
-    # Kill it once step 1 is fully recorded (metrics and state) and step 2 is under way.
-    while not (run / "checkpoints" / "state" / "1").is_dir() or not (run / "metrics.jsonl").exists():
+    while not (run / "checkpoints" / "state" / str(step)).is_dir() or not (
+        (run / "metrics.jsonl").exists() and any(row["step"] == step for row in read_metrics(run))
+    ):
         assert process.poll() is None, process.stderr.read().decode()[-2000:]
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    time.sleep(1.0)
+
+
+def test_sigkill_then_sigterm_then_resume_trains_the_same_draws(reference_run, tmp_path):
+    """SIGKILL during step 2; `--resume`, then SIGTERM during its first rollout (trials
+    cancelled, sandboxes closed, exit 0); `--resume` again: the run ends with each step recorded
+    once and the same draws trained at the same steps as the uninterrupted reference run."""
+    _, reference = reference_run
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(yaml.safe_dump(run_config(tmp_path)))
+    run = tmp_path / "run"
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path.parent / "jax-cache")}
+    train_command = [sys.executable, "-m", "t1jax.cli", "train"]
+    process = _start([*train_command, "--config", str(config_path), "--run-dir", str(run)], env)
+    _wait_for_step(process, run, 1)
+    time.sleep(1.0)  # step 2 is under way
     assert process.poll() is None, "the run finished before it could be killed"
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert [row["step"] for row in read_metrics(run)] == [1]
+
+    # The resumed process is interrupted in its first rollout (trials in their sandboxes).
+    (run / "status.json").unlink()
+    process = _start([*train_command, "--resume", str(run)], env)
+    deadline = time.monotonic() + 600
+    while (
+        not (run / "status.json").exists()
+        or json.loads((run / "status.json").read_text())["state"] != "running"
+    ):
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(2.0)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=300) == 0, process.stderr.read().decode()[-2000:]
+    assert json.loads((run / "status.json").read_text())["state"] == "interrupted"
+    assert [row["step"] for row in read_metrics(run)] == [1]
+    assert not live_sandboxes(tmp_path)  # the interrupted process closed every sandbox itself
+
     resumed = subprocess.run(
-        [*command, "--resume", str(run)], cwd=REPO, env=env, capture_output=True, text=True
+        [*train_command, "--resume", str(run)], cwd=REPO, env=env, capture_output=True, text=True
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-
     rows = read_metrics(run)
     assert [row["step"] for row in rows] == [1, 2, 3]  # each step once: nothing lost, nothing twice
-    assert rows[-1]["run/resumes"] == 1
+    assert rows[-1]["run/resumes"] >= 1
     assert [row["rl/staleness"] for row in rows] == [0, 0, 1]  # a resumed process starts like a fresh one
     ours, theirs = launches_by_step(run), launches_by_step(reference)
     for step in (1, 2, 3):  # the same draws trained at the same step, no draw skipped or repeated
