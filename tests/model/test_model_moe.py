@@ -45,8 +45,11 @@ def weights():
 
 
 def assert_close(actual, desired, name):
+    # float32 sums over different groupings (grouped matmul vs dense einsum) differ by a few ulps of
+    # the largest term; 1e-4 of the tensor's scale keeps that noise out while a wrong gather or a
+    # missing gate still shows as an O(1) relative error.
     scale = float(np.max(np.abs(np.asarray(desired))))
-    np.testing.assert_allclose(actual, desired, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+    np.testing.assert_allclose(actual, desired, rtol=1e-4, atol=1e-4 * scale, err_msg=name)
 
 
 def loss_and_grads(fn, weights, *extra):
