@@ -412,7 +412,8 @@ class KubernetesSandbox(ContainerSandbox):
         )
         self._backend = backend
 
-    def _run(self, argv: list[str], stdin: bytes, timeout_sec: float) -> RunOutput:
+    def _run(self, argv: list[str], stdin: bytes, timeout_sec: float, *, as_root: bool = False) -> RunOutput:
+        # The pod's container runs as its image user; exec cannot choose another (as_root is moot).
         return self._backend.exec_in_pod(self.sandbox_id, argv, stdin, timeout_sec)
 
     def _terminate(self) -> None:

@@ -157,7 +157,8 @@ class ModalSandbox(ContainerSandbox):
     def modal_object_id(self) -> str:
         return self._handle.object_id
 
-    def _run(self, argv: list[str], stdin: bytes, timeout_sec: float) -> RunOutput:
+    def _run(self, argv: list[str], stdin: bytes, timeout_sec: float, *, as_root: bool = False) -> RunOutput:
+        # Modal runs every exec as the image user; there is no other uid to choose (as_root is moot).
         process = self._handle.exec(*argv, timeout=int(math.ceil(timeout_sec)), text=False)
         if stdin:
             process.stdin.write(stdin)

@@ -16,13 +16,20 @@ def test_example_tasks_are_all_sound(backend):
     audits = check_tasks(TASKS, backend, on_audit=lambda audit: lines.append(audit.line()))
     assert sorted(lines) == sorted(
         [
-            "t1jax/build-steps sound solution 5/5 noop 2/5",
-            "t1jax/hello-world sound solution 2/2 noop 0/2",
-            "sales-report sound solution 7/7 noop 0/7",
-            "hello-world sound solution 2/2 noop 0/2",
-            "log-parsing sound solution 7/7 noop 0/7",
+            "t1jax/build-steps sound solution 5/5 noop 2/5 on local, stand-in debian-bookworm for debian:bookworm",
+            "t1jax/hello-world sound solution 2/2 noop 0/2 on local, stand-in python-3.11-bookworm for python:3.11-slim",
+            "sales-report sound solution 7/7 noop 0/7 on local, stand-in python-3.11-bookworm for python:3.11-slim",
+            "hello-world sound solution 2/2 noop 0/2 on local, stand-in debian-trixie for "
+            "ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624",
+            "log-parsing sound solution 7/7 noop 0/7 on local, stand-in python-3.13-trixie for python:3.12-slim-bookworm",
         ]
     )
+    by_id = {audit.task_id: audit for audit in audits}
+    hello = by_id["t1jax/hello-world"]
+    assert hello.backend == "local" and hello.environment.substitutions[0].requested == "python:3.11-slim"
+    assert (
+        "2 passed" in hello.solution.output_tail and "2 failed" in hello.noop.output_tail
+    )  # the verifier's output
     assert [a.source_dir for a in audits] == sorted(a.source_dir for a in audits)  # path order
     assert all_sound(audits)
     assert backend.live_sandboxes("check-tasks") == []
@@ -39,22 +46,47 @@ def test_unsound_tasks_are_reported_with_reasons(backend, tmp_path):
     shutil.rmtree(no_solution / "solution")
     (no_solution / "task.toml").write_text('[task]\nname = "no-solution"\n')
     shutil.copytree(MALFORMED / "bad-toml", pool / "bad-toml")
-    shutil.copytree(MALFORMED / "unsupported-instruction", pool / "unsupported-instruction")
+    multi_stage = shutil.copytree(MALFORMED / "unsupported-instruction", pool / "multi-stage")
+    (multi_stage / "environment" / "Dockerfile").write_text(
+        "FROM python:3.11-slim AS a\nFROM python:3.11-slim\n"
+    )
+    multi_step = shutil.copytree(HARBOR_HELLO, pool / "multi-step")
+    (multi_step / "task.toml").write_text(
+        '[task]\nname = "multi-step"\n[[steps]]\nname = "one"\n[[steps]]\nname = "two"\n'
+    )
+    compose = shutil.copytree(HARBOR_HELLO, pool / "compose")
+    (compose / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  main:\n    build: .\n  db:\n    image: postgres:16\n"
+    )
 
     audits = {audit.source_dir.name: audit for audit in check_tasks(pool, backend)}
     assert not all_sound(audits.values())
     assert audits["noop-passes"].line() == (
-        "noop-passes unsound solution 1/1 noop 1/1 (doing nothing already passes)"
+        "noop-passes unsound solution 1/1 noop 1/1 on local, stand-in python-3.11-bookworm for python:3.11-slim "
+        "(doing nothing already passes)"
     )
     wrong = audits["wrong-solution"]
     assert not wrong.sound and wrong.solution.score() == "1/7" and wrong.noop.score() == "0/7"
     assert "reference solution does not pass all" in wrong.reason
-    assert audits["no-solution"].line() == "no-solution unsound solution - noop - (no reference solution)"
-    assert (
-        audits["bad-toml"].line().startswith("bad-toml unsound solution - noop - (does not load: task.toml:")
+    assert audits["no-solution"].line().startswith("no-solution unsound solution - noop - on local")
+    assert audits["no-solution"].reason == "no reference solution"
+    skipped = {name: audits[name] for name in ("multi-stage", "multi-step", "compose")}
+    assert all(audit.skipped and not audit.sound for audit in skipped.values())
+    assert skipped["multi-stage"].reason.startswith(
+        "unsupported_dockerfile: Dockerfile line 2: multi-stage builds"
     )
-    unsupported = audits["unsupported-instruction"]
-    assert not unsupported.sound and "VOLUME is outside the supported subset" in unsupported.reason
+    assert skipped["multi-step"].line() == (
+        "multi-step skipped on local (multi_step: a multi-step Harbor task (2 steps: one, two): no backend here "
+        "verifies per step (the Sandbox contract verifies once per trial))"
+    )
+    assert skipped["compose"].reason.startswith(
+        "multi_container: a multi-container compose environment (2 services"
+    )
+    assert (
+        audits["bad-toml"]
+        .line()
+        .startswith("bad-toml unsound solution - noop - on local (does not load: task.toml:")
+    )
     assert backend.live_sandboxes("check-tasks") == []
 
 
@@ -67,4 +99,9 @@ def test_audit_line_without_per_assertion_reports():
     )
     audit = TaskAudit("t", HARBOR_HELLO, True, outcome, failing)
     assert format_audit_line(audit) == "t sound solution pass(missing_report) noop fail(missing_report)"
+    # A no-op whose verifier ran out of time did not pass: it failed (not "unknown").
+    timed_out = TrialOutcome(
+        passed=0, total=0, parsed=False, binary_outcome=None, failure_cause="verifier_timeout"
+    )
+    assert timed_out.fails_some and timed_out.score() == "unknown(verifier_timeout)"
     assert outcome.passes_all and failing.fails_some and not all_sound([])
