@@ -1,4 +1,4 @@
-"""Command line of the sandbox service: `python -m sandbox_service {serve,check-tasks,reap,leak-check,stand-ins}`.
+"""Command line of the sandbox service: `python -m sandbox_service {serve,check-tasks,reap,...}`.
 
 This module owns turning flags into a backend, an admission policy and a running server; it holds
 no logic of its own beyond that wiring.
@@ -73,7 +73,8 @@ def add_backend_flags(parser: argparse.ArgumentParser) -> None:
         "--pull",
         choices=("auto", "never", "always"),
         default="auto",
-        help="container: base images: a local copy, else a pull, else a stand-in (auto); never pull; pull first",
+        help="container: base images: a local copy, else a pull, else a stand-in (auto); "
+        "never pull; pull first",
     )
     group.add_argument(
         "--namespace", default="t1jax-sandboxes", help="kubernetes: namespace of the sandbox Pods"
@@ -272,8 +273,9 @@ def cmd_stand_ins(args: argparse.Namespace) -> int:
             if backend is None:
                 from sandbox_service.backends.podman import PodmanBackend, PodmanConfig
 
-                backend = PodmanBackend(PodmanConfig(cache_dir=args.cache_dir, stand_in_dir=args.stand_in_dir,
-                                                     pull="never"))  # fmt: skip
+                backend = PodmanBackend(
+                    PodmanConfig(cache_dir=args.cache_dir, stand_in_dir=args.stand_in_dir, pull="never")
+                )
             backend.resolve_base(image)
         print(
             f"{image}: {recipe.image_tag} ready ({built.tarball.name}, {time.monotonic() - started:.0f} s)",
@@ -375,8 +377,12 @@ def parser() -> argparse.ArgumentParser:
     stand_ins.add_argument(
         "--list", action="store_true", help="print what stands in for each image; build nothing"
     )
-    stand_ins.add_argument("--import", dest="import_into_podman", action="store_true",
-                           help="also import them into podman (what the container backend runs)")  # fmt: skip
+    stand_ins.add_argument(
+        "--import",
+        dest="import_into_podman",
+        action="store_true",
+        help="also import them into podman (what the container backend runs)",
+    )
     stand_ins.set_defaults(run=cmd_stand_ins)
     return root
 

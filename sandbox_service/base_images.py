@@ -181,12 +181,24 @@ SUITES = (
 )
 _BY_NAME = {suite.name: suite for suite in SUITES}
 _DEBIAN_ALIASES = {
-    "bookworm": "bookworm", "12": "bookworm", "trixie": "trixie", "13": "trixie",
-    "latest": "trixie", "stable": "trixie",
-}  # fmt: skip
-_UBUNTU_TO_DEBIAN = {"20.04": "bookworm", "22.04": "bookworm", "24.04": "trixie", "24.10": "trixie",
-                     "25.04": "trixie", "focal": "bookworm", "jammy": "bookworm", "noble": "trixie",
-                     "latest": "trixie"}  # fmt: skip
+    "bookworm": "bookworm",
+    "12": "bookworm",
+    "trixie": "trixie",
+    "13": "trixie",
+    "latest": "trixie",
+    "stable": "trixie",
+}
+_UBUNTU_TO_DEBIAN = {
+    "20.04": "bookworm",
+    "22.04": "bookworm",
+    "24.04": "trixie",
+    "24.10": "trixie",
+    "25.04": "trixie",
+    "focal": "bookworm",
+    "jammy": "bookworm",
+    "noble": "trixie",
+    "latest": "trixie",
+}
 _UBUNTU_RELEASE = {"focal": "20.04", "jammy": "22.04", "noble": "24.04"}
 
 
@@ -402,8 +414,10 @@ def stand_in_for(image: str) -> tuple[StandInRecipe, Substitution]:
         )
         recipe = _debian_recipe(_BY_NAME[suite_name])
         shown = _UBUNTU_RELEASE.get(release, release)
-        notes.append(f"Debian {_BY_NAME[suite_name].debian} ({suite_name}) instead of Ubuntu {shown} "
-                     "(no Ubuntu archive key on this host)")  # fmt: skip
+        notes.append(
+            f"Debian {_BY_NAME[suite_name].debian} ({suite_name}) instead of Ubuntu {shown} "
+            "(no Ubuntu archive key on this host)"
+        )
     elif name == "buildpack-deps":
         words = _tag_words(tag)
         suite_name = next((s for s in _BY_NAME if s in words), None)
@@ -535,22 +549,31 @@ class StandInStore:
                     "`make setup` installs it)"
                 )
             command = [
-                mmdebstrap, "--variant=minbase", "--mode=root", "--format=tar",
+                mmdebstrap,
+                "--variant=minbase",
+                "--mode=root",
+                "--format=tar",
                 f"--include={','.join(recipe.all_packages())}",
-                "--aptopt=APT::Install-Recommends \"false\"",
+                '--aptopt=APT::Install-Recommends "false"',
                 f"--customize-hook={_customize_script(recipe, packages_file)}",
-                recipe.suite, str(staging), self.mirror,
-            ]  # fmt: skip
+                recipe.suite,
+                str(staging),
+                self.mirror,
+            ]
             if log:
                 log(
-                    f"building stand-in {recipe.name} (Debian {recipe.suite} + {len(recipe.all_packages())} packages)"
+                    f"building stand-in {recipe.name} "
+                    f"(Debian {recipe.suite} + {len(recipe.all_packages())} packages)"
                 )
             started = time.monotonic()
             try:
                 done = subprocess.run(
-                    command, capture_output=True, text=True, timeout=self.build_timeout_sec,
+                    command,
+                    capture_output=True,
+                    text=True,
+                    timeout=self.build_timeout_sec,
                     env={"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "TMPDIR": str(self.directory)},
-                )  # fmt: skip
+                )
             except subprocess.TimeoutExpired as error:
                 staging.unlink(missing_ok=True)
                 raise StandInBuildError(f"mmdebstrap for {recipe.name} timed out") from error

@@ -252,8 +252,16 @@ def audit_task(
         solution, solution_note, solution_run = _run_trial(task, provider, run_id, with_solution=True)
         noop, _, _ = _run_trial(task, provider, run_id, with_solution=False)
     except (SandboxError, OSError) as error:
-        return TaskAudit(task.task_id, task.source_dir, False, None, None, f"sandbox failed: {error}", **base,
-                         seconds=time.monotonic() - started)  # fmt: skip
+        return TaskAudit(
+            task.task_id,
+            task.source_dir,
+            False,
+            None,
+            None,
+            f"sandbox failed: {error}",
+            **base,
+            seconds=time.monotonic() - started,
+        )
     problems = []
     if not solution.passes_all:
         problems.append(f"reference solution does not pass all ({solution_note or solution.detail})")
@@ -261,8 +269,17 @@ def audit_task(
         problems.append(
             "doing nothing already passes" if noop.passes_all else f"no-op outcome unknown ({noop.detail})"
         )
-    return TaskAudit(task.task_id, task.source_dir, not problems, solution, noop, "; ".join(problems), **base,
-                     solution_run=solution_run, seconds=time.monotonic() - started)  # fmt: skip
+    return TaskAudit(
+        task.task_id,
+        task.source_dir,
+        not problems,
+        solution,
+        noop,
+        "; ".join(problems),
+        **base,
+        solution_run=solution_run,
+        seconds=time.monotonic() - started,
+    )
 
 
 def _run_trial(task: Task, provider: SandboxProvider, run_id: str, *, with_solution: bool) -> tuple[

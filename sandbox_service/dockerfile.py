@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -143,6 +144,32 @@ def from_lines(text: str) -> list[FromLine]:
     return found
 
 
+def translate_heredocs(text: str) -> str:
+    """`text` with every `RUN <<WORD` heredoc rewritten as a plain RUN that decodes the script
+    (base64) and runs it with `sh`, for builders without heredoc support (buildah before 1.33, which
+    podman 4.3 ships). Raises ValueError for heredocs this cannot express (COPY/ADD heredocs, several
+    heredocs or a command before one)."""
+    lines = text.splitlines(keepends=True)
+    for instruction in reversed(list(logical_instructions(text))):
+        if not instruction.heredocs:
+            continue
+        if (
+            instruction.keyword != "RUN"
+            or len(instruction.heredocs) != 1
+            or not _HEREDOC.fullmatch(instruction.arguments.strip())
+        ):
+            raise ValueError(
+                f"line {instruction.line}: {instruction.keyword} heredoc of a form the engine cannot build"
+            )
+        script = base64.b64encode(instruction.heredocs[0][1].encode()).decode()
+        run = (
+            f"RUN echo {script} | base64 -d > /tmp/.t1jax-heredoc.sh && sh /tmp/.t1jax-heredoc.sh"
+            " && rm -f /tmp/.t1jax-heredoc.sh\n"
+        )
+        lines[instruction.line - 1 : instruction.last_line] = [run]
+    return "".join(lines)
+
+
 def add_stage_args(text: str, args: Mapping[str, str]) -> str:
     """`text` with `ARG NAME=value` lines after every FROM: build-time-only variables for each stage's
     RUN steps (an ARG is not kept in the image's config, unlike ENV)."""
@@ -164,7 +191,8 @@ def rewrite_from_images(text: str, mapping: Mapping[str, str]) -> str:
             continue
         index = entry.line - 1
         pattern = re.compile(r"(?i)^(\s*FROM\s+(?:--\S+\s+)*)" + re.escape(entry.token) + r"(?=\s|$)")
-        lines[index], count = pattern.subn(lambda m: m.group(1) + mapping[entry.image], lines[index], count=1)
+        replacement = mapping[entry.image]
+        lines[index], count = pattern.subn(lambda m, new=replacement: m.group(1) + new, lines[index], count=1)
         if count != 1:
             raise ValueError(f"line {entry.line}: could not rewrite FROM {entry.token}")
     return "".join(lines)

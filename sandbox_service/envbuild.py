@@ -78,10 +78,21 @@ DEFAULT_SHELL = ("/bin/sh", "-c")
 _ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 # Docker's default capability set (what root in a container has).
 DOCKER_CAPABILITIES = (
-    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
-    "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SYS_CHROOT", "CAP_MKNOD", "CAP_AUDIT_WRITE",
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_RAW",
+    "CAP_SYS_CHROOT",
+    "CAP_MKNOD",
+    "CAP_AUDIT_WRITE",
     "CAP_SETFCAP",
-)  # fmt: skip
+)
 MAX_LOWER_CHARS = 3800  # overlayfs options must fit in one page
 
 
@@ -137,8 +148,14 @@ class BuildPlan:
     def describe_step(self, step: Step) -> list:
         """A JSON-able description of one step; hashed (with copied file contents) into its layer key."""
         if isinstance(step, CopyStep):
-            return ["COPY", [s.name for s in step.sources], step.destination, step.chmod, step.extract_archives,
-                    step.chown]  # fmt: skip
+            return [
+                "COPY",
+                [s.name for s in step.sources],
+                step.destination,
+                step.chmod,
+                step.extract_archives,
+                step.chown,
+            ]
         if isinstance(step, RunStep):
             return ["RUN", list(step.argv), list(step.env), step.workdir, step.user]
         return ["WORKDIR", step.path]
@@ -236,8 +253,15 @@ def parse_dockerfile(
             raise reject(line, f"instruction {keyword} is outside the supported subset")
     if base is None:
         raise UnsupportedEnvironment(task_id, f"{where}: no FROM instruction")
-    return BuildPlan(base_image=base, steps=tuple(steps), env=tuple(env.items()), workdir=workdir,
-                     dockerfile=dockerfile, user=user, entrypoint=entrypoint)  # fmt: skip
+    return BuildPlan(
+        base_image=base,
+        steps=tuple(steps),
+        env=tuple(env.items()),
+        workdir=workdir,
+        dockerfile=dockerfile,
+        user=user,
+        entrypoint=entrypoint,
+    )
 
 
 def _json_array(text: str, reject) -> tuple[str, ...]:
@@ -319,8 +343,14 @@ def _parse_copy(instruction, rest, line, variables, workdir, context_dir, reject
     )
     if trailing or len(resolved) > 1:
         destination = destination.rstrip("/") + "/"
-    return CopyStep(line=line, sources=tuple(resolved), destination=destination, chmod=chmod,
-                    extract_archives=instruction == "ADD", chown=chown)  # fmt: skip
+    return CopyStep(
+        line=line,
+        sources=tuple(resolved),
+        destination=destination,
+        chmod=chmod,
+        extract_archives=instruction == "ADD",
+        chown=chown,
+    )
 
 
 def _parse_run(instruction: lexer.Instruction, env, workdir, user, shell, reject) -> RunStep:
@@ -382,22 +412,35 @@ class BuiltEnvironment:
 
     def to_json(self) -> dict:
         return {
-            "key": self.key, "base_image": self.base_image, "base_root": str(self.base_root),
-            "layers": [str(p) for p in self.layers], "env": [list(kv) for kv in self.env],
-            "workdir": self.workdir, "user": self.user, "entrypoint": list(self.entrypoint),
-            "substitution": self.substitution.to_json(), "recipe": self.recipe,
-        }  # fmt: skip
+            "key": self.key,
+            "base_image": self.base_image,
+            "base_root": str(self.base_root),
+            "layers": [str(p) for p in self.layers],
+            "env": [list(kv) for kv in self.env],
+            "workdir": self.workdir,
+            "user": self.user,
+            "entrypoint": list(self.entrypoint),
+            "substitution": self.substitution.to_json(),
+            "recipe": self.recipe,
+        }
 
     @classmethod
     def from_json(cls, data: Mapping) -> BuiltEnvironment:
         sub = data["substitution"]
         return cls(
-            key=data["key"], base_image=data["base_image"], base_root=Path(data["base_root"]),
-            layers=tuple(Path(p) for p in data["layers"]), env=tuple((k, v) for k, v in data["env"]),
-            workdir=data["workdir"], user=data["user"], entrypoint=tuple(data["entrypoint"]),
-            substitution=Substitution(sub["requested"], sub["stand_in"], sub["recipe"], tuple(sub["differences"])),
+            key=data["key"],
+            base_image=data["base_image"],
+            base_root=Path(data["base_root"]),
+            layers=tuple(Path(p) for p in data["layers"]),
+            env=tuple((k, v) for k, v in data["env"]),
+            workdir=data["workdir"],
+            user=data["user"],
+            entrypoint=tuple(data["entrypoint"]),
+            substitution=Substitution(
+                sub["requested"], sub["stand_in"], sub["recipe"], tuple(sub["differences"])
+            ),
             recipe=data.get("recipe", ""),
-        )  # fmt: skip
+        )
 
 
 class EnvironmentBuilder:
@@ -461,10 +504,17 @@ class EnvironmentBuilder:
             if layer is not None:
                 layers.append(layer)
         environment = BuiltEnvironment(
-            key=env_key, base_image=plan.base_image, base_root=base_root, layers=tuple(reversed(layers)),
-            env=plan.env, workdir=plan.workdir, user=plan.user, entrypoint=plan.entrypoint,
-            substitution=substitution, recipe=recipe.name,
-        )  # fmt: skip
+            key=env_key,
+            base_image=plan.base_image,
+            base_root=base_root,
+            layers=tuple(reversed(layers)),
+            env=plan.env,
+            workdir=plan.workdir,
+            user=plan.user,
+            entrypoint=plan.entrypoint,
+            substitution=substitution,
+            recipe=recipe.name,
+        )
         self.envs_dir.mkdir(parents=True, exist_ok=True)
         temporary = self.envs_dir / f".{env_key}.{uuid.uuid4().hex[:8]}.tmp"
         temporary.write_text(json.dumps(environment.to_json(), indent=1))
@@ -488,8 +538,11 @@ class EnvironmentBuilder:
                 shutil.rmtree(staging / "work", ignore_errors=True)
                 changed = any((staging / "diff").iterdir())
                 (staging / "build.log").write_text(log)
-                (staging / "layer.json").write_text(json.dumps({"key": key, "task_id": task.task_id,
-                                                                "changed": changed, "built_at": time.time()}))  # fmt: skip
+                (staging / "layer.json").write_text(
+                    json.dumps(
+                        {"key": key, "task_id": task.task_id, "changed": changed, "built_at": time.time()}
+                    )
+                )
                 os.rename(staging, final)
             finally:
                 if staging.exists():
@@ -508,12 +561,24 @@ class EnvironmentBuilder:
         if len(lower) > MAX_LOWER_CHARS:
             raise EnvironmentBuildError(f"task {task.task_id!r}: too many layers for one overlay mount")
         ops = [
-            {"op": "mount", "source": "t1jax-build", "target": "/run", "fstype": "tmpfs", "options": "mode=0755,size=16m"},
+            {
+                "op": "mount",
+                "source": "t1jax-build",
+                "target": "/run",
+                "fstype": "tmpfs",
+                "options": "mode=0755,size=16m",
+            },
             {"op": "mkdir", "path": "/run/t1jax/root", "mode": 0o755},
-            {"op": "mount", "source": "t1jax-build-layer", "target": "/run/t1jax/root", "fstype": "overlay",
-             "nosuid": False, "options": f"lowerdir={lower},upperdir={staging / 'diff'},workdir={staging / 'work'}"},
+            {
+                "op": "mount",
+                "source": "t1jax-build-layer",
+                "target": "/run/t1jax/root",
+                "fstype": "overlay",
+                "nosuid": False,
+                "options": f"lowerdir={lower},upperdir={staging / 'diff'},workdir={staging / 'work'}",
+            },
             {"op": "userns", "name": "build", "base": SANDBOX_UID_BASE, "count": SANDBOX_UID_COUNT},
-        ]  # fmt: skip
+        ]
         holder = HolderProcess.start(self._tools["unshare"], ops)
         try:
             merged = Path(f"/proc/{holder.pid}/root/run/t1jax/root")
@@ -532,24 +597,62 @@ class EnvironmentBuilder:
         # A RUN after USER: the image's own setpriv switches (bwrap cannot switch uids in a joined
         # user namespace; the build runs only the task's own code anyway).
         named = bool(step.user) and not step.user.partition(":")[0].isdigit()
-        switch_user = [] if uid == 0 else [
-            "setpriv", "--reuid", str(uid), "--regid", str(gid), "--init-groups" if named else "--clear-groups", "--"
-        ]  # fmt: skip
+        switch_user = (
+            []
+            if uid == 0
+            else [
+                "setpriv",
+                "--reuid",
+                str(uid),
+                "--regid",
+                str(gid),
+                "--init-groups" if named else "--clear-groups",
+                "--",
+            ]
+        )
         userns = os.open(f"/proc/{holder.userns['build']}/ns/user", os.O_RDONLY)
         try:
             args = [
-                self._tools["nsenter"], f"--mount=/proc/{holder.pid}/ns/mnt", "--",
-                self._tools["setpriv"], "--reuid", str(SANDBOX_UID_BASE), "--regid", str(SANDBOX_UID_BASE),
-                "--clear-groups", "--",
-                self._tools["bwrap"], "--userns", str(userns),
-                "--die-with-parent", "--new-session",
-                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "build",
+                self._tools["nsenter"],
+                f"--mount=/proc/{holder.pid}/ns/mnt",
+                "--",
+                self._tools["setpriv"],
+                "--reuid",
+                str(SANDBOX_UID_BASE),
+                "--regid",
+                str(SANDBOX_UID_BASE),
+                "--clear-groups",
+                "--",
+                self._tools["bwrap"],
+                "--userns",
+                str(userns),
+                "--die-with-parent",
+                "--new-session",
+                "--unshare-pid",
+                "--unshare-ipc",
+                "--unshare-uts",
+                "--hostname",
+                "build",
                 *([] if self.network else ["--unshare-net"]),
-                "--cap-drop", "ALL", *[arg for cap in DOCKER_CAPABILITIES for arg in ("--cap-add", cap)],
-                "--bind", "/run/t1jax/root", "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm",
+                "--cap-drop",
+                "ALL",
+                *[arg for cap in DOCKER_CAPABILITIES for arg in ("--cap-add", cap)],
+                "--bind",
+                "/run/t1jax/root",
+                "/",
+                "--proc",
+                "/proc",
+                "--dev",
+                "/dev",
+                "--tmpfs",
+                "/dev/shm",
                 *(["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"] if self.network else []),
-                "--chdir", step.workdir, "--", *switch_user, *step.argv,
-            ]  # fmt: skip
+                "--chdir",
+                step.workdir,
+                "--",
+                *switch_user,
+                *step.argv,
+            ]
             home = user_home(Path(f"/proc/{holder.pid}/root/run/t1jax/root"), uid)
             env = {"PATH": DEFAULT_PATH, "HOME": home, "HOSTNAME": "build", **dict(step.env)}
             bundle = host_ca_bundle() if self.network else None
@@ -558,10 +661,14 @@ class EnvironmentBuilder:
                 args[at:at] = ["--ro-bind", str(bundle), CA_MOUNT]
                 env.update(trust_env())
             result = _proc.run_captured(
-                args, env=env, timeout_sec=self.build_timeout_sec, head_bytes=self.log_bytes // 2,
-                tail_bytes=self.log_bytes // 2, on_timeout=lambda proc: _proc.kill_session(proc.pid),
+                args,
+                env=env,
+                timeout_sec=self.build_timeout_sec,
+                head_bytes=self.log_bytes // 2,
+                tail_bytes=self.log_bytes // 2,
+                on_timeout=lambda proc: _proc.kill_session(proc.pid),
                 pass_fds=(userns,),
-            )  # fmt: skip
+            )
         finally:
             os.close(userns)
         log = f"$ {shlex.join(step.argv)}\n{result.stdout}{result.stderr}"
@@ -569,7 +676,8 @@ class EnvironmentBuilder:
             why = "timed out" if result.timed_out else f"exited {result.exit_code}"
             tail = (result.stdout + result.stderr)[-2000:]
             raise EnvironmentBuildError(
-                f"task {task.task_id!r}: Dockerfile line {step.line} RUN {shlex.join(step.argv)[:200]} {why}:\n{tail}"
+                f"task {task.task_id!r}: Dockerfile line {step.line} RUN {shlex.join(step.argv)[:200]} "
+                f"{why}:\n{tail}"
             )
         return log
 
@@ -680,8 +788,9 @@ def _extract_archive(archive_path: Path, target: Path) -> None:
         for member in archive:
             if member.isdev():
                 continue
-            shifted = member.replace(uid=member.uid + SANDBOX_UID_BASE, gid=member.gid + SANDBOX_UID_BASE,
-                                     uname="", gname="")  # fmt: skip
+            shifted = member.replace(
+                uid=member.uid + SANDBOX_UID_BASE, gid=member.gid + SANDBOX_UID_BASE, uname="", gname=""
+            )
             # "tar" refuses absolute paths and paths leaving `target` (it is under /proc/<holder>/root,
             # so ".." would reach the host) but keeps owners, unlike "data".
             archive.extract(shifted, target, filter="tar", numeric_owner=True)

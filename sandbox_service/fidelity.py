@@ -36,8 +36,9 @@ def environment_audit(task: Task, provider: SandboxProvider) -> EnvironmentAudit
     image = task.environment.docker_image or (
         f"built from {task.environment.dockerfile}" if task.environment.dockerfile else None
     )
-    audit = EnvironmentAudit(task.task_id, name, image, (), (), None,
-                             f"{name} does not report base-image substitutions")  # fmt: skip
+    audit = EnvironmentAudit(
+        task.task_id, name, image, (), (), None, f"{name} does not report base-image substitutions"
+    )
     return apply_common_rules(audit, task, internet_granted=task.environment.allow_internet)
 
 
@@ -57,7 +58,8 @@ def apply_common_rules(audit: EnvironmentAudit, task: Task, *, internet_granted:
             return dataclasses.replace(
                 audit,
                 skip_reason=SkipReason.NEEDS_INTERNET,
-                detail=f"its reference solution runs {command!r} and {audit.backend} gives this task no network "
+                detail=f"its reference solution runs {command!r} and {audit.backend} gives this task "
+                "no network "
                 "(the task allows internet; --allow-internet lets it through)",
             )
     return audit

@@ -180,10 +180,13 @@ def _load_harbor(task_dir: Path) -> Task:
             else sorted(p.name for p in (task_dir / "steps").iterdir() if p.is_dir())
         )
         raise UnsupportedTaskFormat(
-            toml_path, "steps",
-            f"a multi-step Harbor task ({len(names)} steps: {', '.join(names[:6])}): no backend here verifies "
-            "per step (the Sandbox contract verifies once per trial)", SkipReason.MULTI_STEP,
-        )  # fmt: skip
+            toml_path,
+            "steps",
+            f"a multi-step Harbor task ({len(names)} steps: {', '.join(names[:6])}): "
+            "no backend here verifies "
+            "per step (the Sandbox contract verifies once per trial)",
+            SkipReason.MULTI_STEP,
+        )
     instruction = _read_instruction_md(task_dir / "instruction.md")
     task_table = _table(config, "task", toml_path)
     metadata = _table(config, "metadata", toml_path)
@@ -407,10 +410,13 @@ def _single_compose_service(compose: Path) -> tuple[Path | None, Path | None, st
         raise TaskLoadError(compose, "services", "a compose file needs a services table")
     if len(services) > 1:
         raise UnsupportedTaskFormat(
-            compose, "services",
-            f"a multi-container compose environment ({len(services)} services: {', '.join(map(str, services))}); "
-            "every backend here runs one container per trial", SkipReason.MULTI_CONTAINER,
-        )  # fmt: skip
+            compose,
+            "services",
+            f"a multi-container compose environment "
+            f"({len(services)} services: {', '.join(map(str, services))}); "
+            "every backend here runs one container per trial",
+            SkipReason.MULTI_CONTAINER,
+        )
     service = next(iter(services.values()))
     if not isinstance(service, Mapping):
         raise TaskLoadError(compose, "services", "a service must be a mapping")

@@ -93,6 +93,19 @@ _NETWORK_COMMAND = re.compile(
     r"|\bpip3?\s+install\b|\bpython3?\s+-m\s+pip\s+install\b|\bgit\s+clone\b"
 )
 _NAMED_TEST_FILE = re.compile(r"(?:\$\{?TEST_DIR\}?|/tests)/([\w./-]+\.py)\b")
+# Variables of the image's or task's environment the verifier never inherits (they would change what
+# pytest loads or what the interpreter and the test script's shell run first).
+_AGENT_ONLY_VARIABLES = (
+    "PYTEST_PLUGINS",
+    "PYTEST_ADDOPTS",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "BASH_ENV",
+    "ENV",
+)
 _INI_FILES = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
 
 _LAUNCHER = '''"""Runs the pinned pytest of this toolchain directory (written by sandbox_service.verifier).
@@ -310,8 +323,15 @@ class VerifierRuntime:
         }
 
 
-_LIBRARY_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib",
-                 "/usr/lib", "/usr/local/lib")  # fmt: skip
+_LIBRARY_DIRS = (
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib/x86_64-linux-gnu",
+    "/lib64",
+    "/usr/lib64",
+    "/lib",
+    "/usr/lib",
+    "/usr/local/lib",
+)
 _MAX_LINKS = 40
 
 
@@ -406,9 +426,13 @@ def _find_python(root: Path, mount: str, search_path: str):
             if version < MIN_PYTHON:
                 continue
             x_y = f"{version[0]}.{version[1]}"
-            sites = [f"{prefix}/lib/python{x_y}/site-packages", f"{prefix}/local/lib/python{x_y}/dist-packages",
-                     f"{prefix}/lib/python3/dist-packages", f"/usr/local/lib/python{x_y}/dist-packages",
-                     f"/root/.local/lib/python{x_y}/site-packages"]  # fmt: skip
+            sites = [
+                f"{prefix}/lib/python{x_y}/site-packages",
+                f"{prefix}/local/lib/python{x_y}/dist-packages",
+                f"{prefix}/lib/python3/dist-packages",
+                f"/usr/local/lib/python{x_y}/dist-packages",
+                f"/root/.local/lib/python{x_y}/site-packages",
+            ]
             venv = PurePosixPath(candidate).parent.parent
             config = root / str(venv).lstrip("/") / "pyvenv.cfg"
             if config.is_file():  # a virtual environment on the image's PATH (e.g. /opt/venv)
@@ -426,8 +450,14 @@ def find_runtime(image_root: Path, *, search_path: str, host_root: Path = Path("
     `image_root` (mounted at `IMAGE_MOUNT` for the verifier): its python3 (found on the image's
     `search_path`) and bash, else the host's (from `host_root`/usr, mounted at `HOST_MOUNT`/usr)."""
     image_root = Path(image_root)
-    bash = next((p for p in (_pristine_program(image_root, IMAGE_MOUNT, b) for b in ("/bin/bash", "/usr/bin/bash"))
-                 if p is not None), None)  # fmt: skip
+    bash = next(
+        (
+            p
+            for p in (_pristine_program(image_root, IMAGE_MOUNT, b) for b in ("/bin/bash", "/usr/bin/bash"))
+            if p is not None
+        ),
+        None,
+    )
     found = _find_python(image_root, IMAGE_MOUNT, search_path)
     notes = []
     host_mounts: list[tuple[str, str]] = []
@@ -605,8 +635,7 @@ def plan_verifier(
         "PYTHONDONTWRITEBYTECODE": "1",
         **runtime.env(),
     }
-    for name in ("PYTEST_PLUGINS", "PYTEST_ADDOPTS", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "LD_PRELOAD",
-                 "LD_LIBRARY_PATH", "BASH_ENV", "ENV"):  # fmt: skip
+    for name in _AGENT_ONLY_VARIABLES:
         if name in base_env:
             env.pop(name, None)
     code = "\n".join(re.sub(r"(^|\s)#.*$", "", line) for line in script_text.splitlines())  # drop comments
@@ -627,8 +656,10 @@ def plan_verifier(
         if network_use is None:
             note = f"ran {script_name} (it needs no downloads)"
         else:
-            note = (f"ran {script_name} although it uses {network_use.group(0).strip()!r}: "
-                    "no pytest files to run directly")  # fmt: skip
+            note = (
+                f"ran {script_name} although it uses {network_use.group(0).strip()!r}: "
+                "no pytest files to run directly"
+            )
         return VerifierPlan(argv, env, "script", f"{note}; verifier interpreter: {runtime.note}")
     options = (
         *pytest_report_options(task),

@@ -2,7 +2,8 @@
 
 `local` (bubblewrap on this host, `backends/local.py`) is the default; `container` (podman on this
 host, `backends/podman.py`) runs each trial in a real OCI container built from the task's
-Dockerfile. The test suite runs both for real. Other backends register a `"module:Class"` target with `register_backend`, so that
+Dockerfile. The test suite runs both for real. Other backends register a `"module:Class"`
+target with `register_backend`, so that
 importing this package never imports a backend's heavy dependencies (kubernetes, modal).
 
 Invariant: `create_provider(name, **options)` returns an object satisfying `SandboxProvider`

@@ -118,11 +118,7 @@ class CgroupHierarchy:
         parent = self.parent()
         wanted = " ".join(f"+{c}" for c in self.controllers)
         own = parent.parent
-        enabled = (
-            set((own / "cgroup.subtree_control").read_text().split())
-            if (own / "cgroup.subtree_control").exists()
-            else set()
-        )
+        enabled = set((_read(own / "cgroup.subtree_control") or "").split())
         if not all(c in enabled for c in self.controllers):
             try:
                 (own / "cgroup.subtree_control").write_text(wanted)
@@ -130,7 +126,8 @@ class CgroupHierarchy:
                 raise CgroupUnavailable(
                     f"cgroup v2: cannot enable {', '.join(self.controllers)} for sandboxes under {own} "
                     f"({error.strerror}); the service's group must delegate them (it may hold no processes "
-                    "itself: run the service in its own delegated group, e.g. systemd-run --scope -p Delegate=yes)"
+                    "itself: run the service in its own delegated group, e.g. systemd-run --scope "
+                    "-p Delegate=yes)"
                 ) from error
         parent.mkdir(exist_ok=True)
         (parent / "cgroup.subtree_control").write_text(wanted)

@@ -131,9 +131,27 @@ TERMINAL_COLUMNS, TERMINAL_ROWS = 160, 40
 VERIFIER_OUTPUT_TAIL_BYTES = 8 * 1024
 LOG_DIRS = ("/logs/agent", "/logs/verifier", "/logs/artifacts")  # what Harbor gives every container
 _TMUX_KEYS = frozenset(
-    {"Enter", "Escape", "Tab", "BSpace", "Up", "Down", "Left", "Right", "Home", "End", "PageUp", "PageDown",
-     "Space", "DC", "IC", "NPage", "PPage", "BTab"}
-)  # fmt: skip
+    {
+        "Enter",
+        "Escape",
+        "Tab",
+        "BSpace",
+        "Up",
+        "Down",
+        "Left",
+        "Right",
+        "Home",
+        "End",
+        "PageUp",
+        "PageDown",
+        "Space",
+        "DC",
+        "IC",
+        "NPage",
+        "PPage",
+        "BTab",
+    }
+)
 _BOUNDING_SET = "-all," + ",".join("+" + cap.removeprefix("CAP_").lower() for cap in DOCKER_CAPABILITIES)
 
 
@@ -150,7 +168,8 @@ class LocalBackend:
 
     `cache_dir` holds built environments (`envs/`, `layers/`), sandbox state (`sandboxes/`) and, by
     default, the verifier toolchain (created by `python -m sandbox_service.verifier --setup`);
-    stand-in base roots live in `stand_in_dir` (default: the user's shared `base_images.DEFAULT_STAND_IN_DIR`). `allow_internet=False` keeps every sandbox off the network
+    stand-in base roots live in `stand_in_dir` (default: the user's shared
+    `base_images.DEFAULT_STAND_IN_DIR`). `allow_internet=False` keeps every sandbox off the network
     whatever its task says; `build_network` lets Dockerfile RUN steps reach package registries.
 
     Needs root on a host with cgroup v1 (memory, pids, freezer, cpu) or cgroup v2 (memory, pids),
@@ -219,17 +238,28 @@ class LocalBackend:
                 if "base image" in error.reason
                 else SkipReason.UNSUPPORTED_DOCKERFILE
             )
-            return EnvironmentAudit(task.task_id, BACKEND_NAME, None, (base,) if base else (), (), reason,
-                                    f"{error.reason} (the container backend may run it)")  # fmt: skip
+            return EnvironmentAudit(
+                task.task_id,
+                BACKEND_NAME,
+                None,
+                (base,) if base else (),
+                (),
+                reason,
+                f"{error.reason} (the container backend may run it)",
+            )
         recipe, substitution = stand_in_for(plan.base_image)
         image = f"{recipe.name} stand-in root" + (
             f" + {len(plan.steps)} Dockerfile steps" if plan.steps else ""
         )
         audit = EnvironmentAudit(
-            task.task_id, BACKEND_NAME, image, (plan.base_image,),
-            (ImageSubstitution(plan.base_image, recipe.image_tag, substitution.differences),), None,
+            task.task_id,
+            BACKEND_NAME,
+            image,
+            (plan.base_image,),
+            (ImageSubstitution(plan.base_image, recipe.image_tag, substitution.differences),),
+            None,
             "the local backend always runs a stand-in root of the base image",
-        )  # fmt: skip
+        )
         return apply_common_rules(audit, task, internet_granted=self.allow_internet)
 
     def create(self, task: Task, *, run_id: str = "default") -> LocalSandbox:
@@ -538,30 +568,73 @@ class LocalSandbox:
         inodes = max(16384, spec.storage_mb * 64)
         base = SANDBOX_UID_BASE
         return [
-            {"op": "mount", "source": f"t1jax-staging-{self._id}", "target": "/run", "fstype": "tmpfs",
-             "options": "mode=0755,size=64m"},
-            *({"op": "mkdir", "path": f"{STAGING}/{name}", "mode": 0o755} for name in (
-                "empty", "root", "pristine", "disk", "toolchain", "verify")),
-            {"op": "mount", "source": f"t1jax-env-{environment.key}", "target": f"{STAGING}/pristine",
-             "fstype": "overlay", "readonly": True, "nosuid": False,
-             "options": f"lowerdir={lower}:{STAGING}/empty"},
-            {"op": "mount", "source": f"t1jax-disk-{self._id}", "target": disk, "fstype": "tmpfs",
-             "options": f"size={spec.storage_mb}m,nr_inodes={inodes},mode=0755,uid={base},gid={base}"},
+            {
+                "op": "mount",
+                "source": f"t1jax-staging-{self._id}",
+                "target": "/run",
+                "fstype": "tmpfs",
+                "options": "mode=0755,size=64m",
+            },
+            *(
+                {"op": "mkdir", "path": f"{STAGING}/{name}", "mode": 0o755}
+                for name in ("empty", "root", "pristine", "disk", "toolchain", "verify")
+            ),
+            {
+                "op": "mount",
+                "source": f"t1jax-env-{environment.key}",
+                "target": f"{STAGING}/pristine",
+                "fstype": "overlay",
+                "readonly": True,
+                "nosuid": False,
+                "options": f"lowerdir={lower}:{STAGING}/empty",
+            },
+            {
+                "op": "mount",
+                "source": f"t1jax-disk-{self._id}",
+                "target": disk,
+                "fstype": "tmpfs",
+                "options": f"size={spec.storage_mb}m,nr_inodes={inodes},mode=0755,uid={base},gid={base}",
+            },
             {"op": "mkdir", "path": f"{disk}/upper", "mode": 0o755, "uid": base, "gid": base},
             {"op": "mkdir", "path": f"{disk}/work", "mode": 0o755, "uid": base, "gid": base},
-            {"op": "mount", "source": f"t1jax-root-{self._id}", "target": f"{STAGING}/root", "fstype": "overlay",
-             "nosuid": False, "options": f"lowerdir={lower},upperdir={disk}/upper,workdir={disk}/work"},
+            {
+                "op": "mount",
+                "source": f"t1jax-root-{self._id}",
+                "target": f"{STAGING}/root",
+                "fstype": "overlay",
+                "nosuid": False,
+                "options": f"lowerdir={lower},upperdir={disk}/upper,workdir={disk}/work",
+            },
             # The workdir exists, as `docker run -w` makes it, and Harbor's log directories (owned by
             # the sandbox's root).
-            *({"op": "mkdir", "path": f"{STAGING}/root{path}", "mode": 0o755, "uid": base, "gid": base,
-               "exist_ok": True} for path in (self.workdir, *LOG_DIRS)),
-            {"op": "file", "path": f"{STAGING}/hosts", "mode": 0o644,
-             "content": "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\tsandbox\n"},
+            *(
+                {
+                    "op": "mkdir",
+                    "path": f"{STAGING}/root{path}",
+                    "mode": 0o755,
+                    "uid": base,
+                    "gid": base,
+                    "exist_ok": True,
+                }
+                for path in (self.workdir, *LOG_DIRS)
+            ),
+            {
+                "op": "file",
+                "path": f"{STAGING}/hosts",
+                "mode": 0o644,
+                "content": "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                "127.0.1.1\tsandbox\n",
+            },
             {"op": "file", "path": f"{STAGING}/hostname", "mode": 0o644, "content": "sandbox\n"},
-            {"op": "bind", "source": str(toolchain.directory), "target": f"{STAGING}/toolchain", "readonly": True},
+            {
+                "op": "bind",
+                "source": str(toolchain.directory),
+                "target": f"{STAGING}/toolchain",
+                "readonly": True,
+            },
             {"op": "userns", "name": "agent", "base": base, "count": SANDBOX_UID_COUNT},
             {"op": "userns", "name": "verifier", "base": base, "count": SANDBOX_UID_COUNT},
-        ]  # fmt: skip
+        ]
 
     def _bwrap_args(self, *, verifier: bool, join_network: bool = True) -> list[str]:
         """bwrap arguments (after `--userns FD`) for the agent's init or the verifier; paths are in the
@@ -569,27 +642,57 @@ class LocalSandbox:
         (`join_network`) unless that is gone with the sandbox's init."""
         network = self._network_shared or (verifier and join_network)
         args = [
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "sandbox",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--hostname",
+            "sandbox",
             *([] if network else ["--unshare-net"]),
-            "--die-with-parent", "--new-session",
-            "--bind", f"{STAGING}/root", "/",
-            "--proc", "/proc", "--dev", "/dev",
-            "--size", str(self._backend.shm_mb << 20), "--tmpfs", "/dev/shm",
-            "--ro-bind", f"{STAGING}/hosts", "/etc/hosts", "--ro-bind", f"{STAGING}/hostname", "/etc/hostname",
+            "--die-with-parent",
+            "--new-session",
+            "--bind",
+            f"{STAGING}/root",
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(self._backend.shm_mb << 20),
+            "--tmpfs",
+            "/dev/shm",
+            "--ro-bind",
+            f"{STAGING}/hosts",
+            "/etc/hosts",
+            "--ro-bind",
+            f"{STAGING}/hostname",
+            "/etc/hostname",
             *(["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"] if self._network_shared else []),
-        ]  # fmt: skip
+        ]
         bundle = host_ca_bundle() if self._network_shared else None
         if bundle is not None:  # the internet is granted behind a TLS-inspecting proxy (see host_trust)
             args += ["--ro-bind", str(bundle), CA_MOUNT]
         if verifier:
             args += [
-                "--cap-drop", "ALL", *[arg for cap in DOCKER_CAPABILITIES for arg in ("--cap-add", cap)],
-                "--ro-bind", f"{STAGING}/verify/tests", "/tests",
-                "--bind", f"{STAGING}/verify/logs", "/logs/verifier",
-                "--ro-bind", f"{STAGING}/toolchain", TOOLCHAIN_MOUNT,
-                "--ro-bind", f"{STAGING}/pristine", IMAGE_MOUNT,
-                "--bind", f"{STAGING}/verify/tmp", VERIFIER_TMP,
-            ]  # fmt: skip
+                "--cap-drop",
+                "ALL",
+                *[arg for cap in DOCKER_CAPABILITIES for arg in ("--cap-add", cap)],
+                "--ro-bind",
+                f"{STAGING}/verify/tests",
+                "/tests",
+                "--bind",
+                f"{STAGING}/verify/logs",
+                "/logs/verifier",
+                "--ro-bind",
+                f"{STAGING}/toolchain",
+                TOOLCHAIN_MOUNT,
+                "--ro-bind",
+                f"{STAGING}/pristine",
+                IMAGE_MOUNT,
+                "--bind",
+                f"{STAGING}/verify/tmp",
+                VERIFIER_TMP,
+            ]
         return [*args, "--chdir", self.workdir if verifier else "/"]
 
     def _check_usable(self) -> None:
@@ -637,11 +740,31 @@ class LocalSandbox:
             else []
         )
         command = [
-            "/bin/sh", "-c", _JOIN_CGROUPS, "sh", *self.cgroups.procs_files, "--",
-            tools["nsenter"], "-t", str(self.init_pid), "-U", "-m", "-p", *net, "-i", "-u", "-r",
-            f"--wdns={self.workdir}", "-S", str(self.uid), "-G", str(self.gid), "--",
-            *drop, *argv,
-        ]  # fmt: skip
+            "/bin/sh",
+            "-c",
+            _JOIN_CGROUPS,
+            "sh",
+            *self.cgroups.procs_files,
+            "--",
+            tools["nsenter"],
+            "-t",
+            str(self.init_pid),
+            "-U",
+            "-m",
+            "-p",
+            *net,
+            "-i",
+            "-u",
+            "-r",
+            f"--wdns={self.workdir}",
+            "-S",
+            str(self.uid),
+            "-G",
+            str(self.gid),
+            "--",
+            *drop,
+            *argv,
+        ]
         half = self._backend.max_output_bytes // 2
         started: list[int] = []
 
@@ -728,7 +851,7 @@ class LocalSandbox:
                     self.workdir,
                     "/bin/bash",
                 ],
-            ]  # fmt: skip
+            ]
         )
         self._terminal_started = True
 
@@ -784,15 +907,31 @@ class LocalSandbox:
         join = not self._network_shared and _proc.pid_start_time(self.init_pid) == self._init_start
         try:
             command = [
-                tools["nsenter"], f"--mount=/proc/{self._holder.pid}/ns/mnt",
-                *([f"--net=/proc/{self.init_pid}/ns/net"] if join else []), "--",
-                sys.executable, "-I", str(HOLDER_SCRIPT), "--reap-exec", *self.cgroups.procs_files, "--",
-                tools["setpriv"], "--reuid", str(SANDBOX_UID_BASE), "--regid", str(SANDBOX_UID_BASE),
-                "--clear-groups", "--",
-                tools["bwrap"], "--userns", str(userns), *self._bwrap_args(verifier=True, join_network=join),
+                tools["nsenter"],
+                f"--mount=/proc/{self._holder.pid}/ns/mnt",
+                *([f"--net=/proc/{self.init_pid}/ns/net"] if join else []),
+                "--",
+                sys.executable,
+                "-I",
+                str(HOLDER_SCRIPT),
+                "--reap-exec",
+                *self.cgroups.procs_files,
+                "--",
+                tools["setpriv"],
+                "--reuid",
+                str(SANDBOX_UID_BASE),
+                "--regid",
+                str(SANDBOX_UID_BASE),
+                "--clear-groups",
+                "--",
+                tools["bwrap"],
+                "--userns",
+                str(userns),
+                *self._bwrap_args(verifier=True, join_network=join),
                 *host_binds,
-                "--", *plan.argv,
-            ]  # fmt: skip
+                "--",
+                *plan.argv,
+            ]
             run = _proc.run_captured(
                 command,
                 env=plan.env,
@@ -806,9 +945,12 @@ class LocalSandbox:
             os.close(userns)
         output = run.stdout + "\n" + run.stderr
         report = build_report(
-            report_dir=verify_dir / "logs", output=output, exit_code=run.exit_code, timed_out=run.timed_out,
+            report_dir=verify_dir / "logs",
+            output=output,
+            exit_code=run.exit_code,
+            timed_out=run.timed_out,
             detail=plan.note,
-        )  # fmt: skip
+        )
         return dataclasses.replace(report, output_tail=output[-VERIFIER_OUTPUT_TAIL_BYTES:])
 
 

@@ -81,7 +81,13 @@ from sandbox_service.contracts import (
     UnsupportedEnvironment,
     VerifierReport,
 )
-from sandbox_service.dockerfile import FromLine, add_stage_args, from_lines, rewrite_from_images
+from sandbox_service.dockerfile import (
+    FromLine,
+    add_stage_args,
+    from_lines,
+    rewrite_from_images,
+    translate_heredocs,
+)
 from sandbox_service.errors import BackendError, SandboxClosed, SandboxStateError
 from sandbox_service.fidelity import apply_common_rules
 from sandbox_service.host_trust import CA_MOUNT, host_ca_bundle, trust_env
@@ -177,7 +183,8 @@ class PodmanEngine:
         path = shutil.which(binary)
         if path is None:
             raise BackendError(
-                f"the container backend needs `{binary}` on PATH (apt-get install podman runc; `make setup` does it)"
+                f"the container backend needs `{binary}` on PATH "
+                "(apt-get install podman runc; `make setup` does it)"
             )
         self.binary = path
         self.global_args = tuple(default_engine_args() if global_args is None else global_args)
@@ -190,9 +197,12 @@ class PodmanEngine:
              ) -> subprocess.CompletedProcess:  # fmt: skip
         try:
             done = subprocess.run(
-                self.argv(*args), input=stdin, capture_output=True, timeout=timeout_sec,
+                self.argv(*args),
+                input=stdin,
+                capture_output=True,
+                timeout=timeout_sec,
                 env={"PATH": _proc.DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"},
-            )  # fmt: skip
+            )
         except subprocess.TimeoutExpired as error:
             raise PodmanError(f"podman {' '.join(args[:2])} timed out after {timeout_sec:g} s") from error
         if check and done.returncode != 0:
@@ -314,8 +324,11 @@ class PodmanBackend:
         if not self.engine.image_exists(recipe.image_tag):
             built = self.stand_ins.build(recipe)
             changes = [f"ENV {key}={value}" for key, value in recipe.env]
-            changes += [f"CMD {json.dumps(list(recipe.cmd))}", f"LABEL {LABEL_RECIPE}={recipe.name}",
-                        f"LABEL {LABEL_KEY}={recipe.key}"]  # fmt: skip
+            changes += [
+                f"CMD {json.dumps(list(recipe.cmd))}",
+                f"LABEL {LABEL_RECIPE}={recipe.name}",
+                f"LABEL {LABEL_KEY}={recipe.key}",
+            ]
             args = ["import", *(arg for change in changes for arg in ("--change", change))]
             self.engine.call(*args, str(built.tarball), recipe.image_tag, timeout_sec=900)
         return ResolvedBase(image, recipe.image_tag, "stand-in", substitution)
@@ -336,6 +349,15 @@ class PodmanBackend:
             return True
         self._unreachable[registry] = time.monotonic()
         return False
+
+    def _dockerfile_text(self, task: Task) -> str:
+        """The task's Dockerfile, with RUN heredocs translated for this engine's builder."""
+        try:
+            return translate_heredocs(task.environment.dockerfile.read_text(encoding="utf-8"))
+        except ValueError as error:
+            raise UnsupportedEnvironment(
+                task.task_id, f"{task.environment.dockerfile.name} {error}"
+            ) from error
 
     def task_bases(self, task: Task) -> list[FromLine]:
         spec = task.environment
@@ -371,7 +393,7 @@ class PodmanBackend:
             tag = bases[0].used
         else:
             used = {base.requested: base.used for base in bases}
-            dockerfile = rewrite_from_images(spec.dockerfile.read_text(encoding="utf-8"), used)
+            dockerfile = rewrite_from_images(self._dockerfile_text(task), used)
             if self.config.build_network and host_ca_bundle() is not None:
                 dockerfile = add_stage_args(dockerfile, trust_env())  # see host_trust
             context = spec.context_dir or spec.dockerfile.parent
@@ -396,10 +418,21 @@ class PodmanBackend:
                 path = Path(scratch) / "Dockerfile"
                 path.write_text(dockerfile)
                 bundle = host_ca_bundle() if self.config.build_network else None
-                args = ["build", "--pull=never", "--layers", "-f", str(path), "-t", tag,
-                        *self.engine.rlimit_flags, *(() if self.config.build_network else ("--network", "none")),
-                        *(("--volume", f"{bundle}:{CA_MOUNT}:ro") if bundle else ()),
-                        "--label", f"{LABEL_TASK}={task.task_id}", str(context)]  # fmt: skip
+                args = [
+                    "build",
+                    "--pull=never",
+                    "--layers",
+                    "-f",
+                    str(path),
+                    "-t",
+                    tag,
+                    *self.engine.rlimit_flags,
+                    *(() if self.config.build_network else ("--network", "none")),
+                    *(("--volume", f"{bundle}:{CA_MOUNT}:ro") if bundle else ()),
+                    "--label",
+                    f"{LABEL_TASK}={task.task_id}",
+                    str(context),
+                ]
                 try:
                     self.engine.call(*args, timeout_sec=self.config.build_timeout_sec)
                 except PodmanError as error:
@@ -417,10 +450,30 @@ class PodmanBackend:
             else tuple(dict.fromkeys(line.image for line in self.task_bases(task) if line.image))
         )
         try:
+            if task.environment.dockerfile is not None:
+                self._dockerfile_text(task)
+        except UnsupportedEnvironment as error:
+            return EnvironmentAudit(
+                task.task_id,
+                BACKEND_NAME,
+                None,
+                tuple(filter(None, requested)),
+                (),
+                SkipReason.UNSUPPORTED_DOCKERFILE,
+                error.reason,
+            )
+        try:
             bases = self.resolve_task(task)
         except UnsupportedEnvironment as error:
-            return EnvironmentAudit(task.task_id, BACKEND_NAME, None, tuple(filter(None, requested)), (),
-                                    SkipReason.UNSUPPORTED_IMAGE, error.reason)  # fmt: skip
+            return EnvironmentAudit(
+                task.task_id,
+                BACKEND_NAME,
+                None,
+                tuple(filter(None, requested)),
+                (),
+                SkipReason.UNSUPPORTED_IMAGE,
+                error.reason,
+            )
         substitutions = tuple(
             ImageSubstitution(b.requested, b.used, b.substitution.differences)
             for b in bases
@@ -430,7 +483,8 @@ class PodmanBackend:
             bases[0].used
             if task.environment.dockerfile is None
             else (
-                f"{TASK_IMAGE_REPOSITORY}/{_slug(task.task_id)} (built from {task.environment.dockerfile.name})"
+                f"{TASK_IMAGE_REPOSITORY}/{_slug(task.task_id)} "
+                f"(built from {task.environment.dockerfile.name})"
             )
         )
         sources = ", ".join(f"{b.requested}: {b.source}" for b in bases)
@@ -597,17 +651,33 @@ class PodmanSandbox(ContainerSandbox):
         labels = backend.labels(self.run_id, self.sandbox_id, task, "agent")
         lifetime = int(task.limits.total_timeout_sec + backend.config.deadline_margin_sec)
         args = [
-            "run", "-d", "--rm", "--name", self.name,
+            "run",
+            "-d",
+            "--rm",
+            "--name",
+            self.name,
             *(arg for key, value in labels.items() for arg in ("--label", f"{key}={value}")),
-            "--network", self._network, "--hostname", "sandbox",
-            "--memory", f"{spec.memory_mb}m", "--memory-swap", f"{spec.memory_mb}m",
-            "--cpus", f"{spec.cpus:g}", "--pids-limit", str(backend.config.pids_max),
-            *backend.engine.rlimit_flags, "--timeout", str(lifetime),
+            "--network",
+            self._network,
+            "--hostname",
+            "sandbox",
+            "--memory",
+            f"{spec.memory_mb}m",
+            "--memory-swap",
+            f"{spec.memory_mb}m",
+            "--cpus",
+            f"{spec.cpus:g}",
+            "--pids-limit",
+            str(backend.config.pids_max),
+            *backend.engine.rlimit_flags,
+            "--timeout",
+            str(lifetime),
             *(("--storage-opt", f"size={spec.storage_mb}m") if backend._storage_quota else ()),
             *(arg for key, value in sorted(spec.env.items()) for arg in ("--env", f"{key}={value}")),
             *self._trust_flags(),
-            self._prepared.tag, *KEEPALIVE,
-        ]  # fmt: skip
+            self._prepared.tag,
+            *KEEPALIVE,
+        ]
         backend.engine.call(*args, timeout_sec=300)
         self.prepare()
 
@@ -626,7 +696,8 @@ class PodmanSandbox(ContainerSandbox):
         """The directories Harbor tasks expect (owned by the image's user), and a working bash."""
         # The workdir as `docker run -w` would: created if the image lacks it (podman's -w refuses).
         script = (
-            f"mkdir -p {shlex.quote(self._workdir)} /logs/agent /logs/verifier /logs/artifacts /tmp/.t1jax && "
+            f"mkdir -p {shlex.quote(self._workdir)} /logs/agent /logs/verifier /logs/artifacts "
+            "/tmp/.t1jax && "
             "chmod 1777 /tmp/.t1jax && echo T1JAX_READY"
         )
         output = self._run(["bash", "-c", script], b"", 120.0, as_root=True)
@@ -644,8 +715,13 @@ class PodmanSandbox(ContainerSandbox):
         engine = self._backend.engine
         args = engine.argv("exec", "-i", *(("--user", "0") if as_root else ()), self.name, *argv)
         try:
-            done = subprocess.run(args, input=stdin, capture_output=True, timeout=timeout_sec,
-                                  env={"PATH": _proc.DEFAULT_PATH, "HOME": "/root"})  # fmt: skip
+            done = subprocess.run(
+                args,
+                input=stdin,
+                capture_output=True,
+                timeout=timeout_sec,
+                env={"PATH": _proc.DEFAULT_PATH, "HOME": "/root"},
+            )
         except subprocess.TimeoutExpired as error:
             return RunOutput(error.stdout or b"", error.stderr or b"", finished=False)
         if (
@@ -738,37 +814,68 @@ class PodmanSandbox(ContainerSandbox):
             plan = plan_verifier(task, env, runtime)
             env_file = verify_dir / "env"
             env_file.write_text("".join(f"{key}={value}\n" for key, value in plan.env.items()))
-            mounts = [(str(tests), TESTS_DIR, "ro"), (str(logs), REPORT_DIR, "rw"),
-                      (str(self._toolchain.directory), TOOLCHAIN_MOUNT, "ro"), (image_root, IMAGE_MOUNT, "ro"),
-                      (str(scratch), VERIFIER_TMP, "rw"), *((h, m, "ro") for h, m in runtime.host_mounts)]  # fmt: skip
+            mounts = [
+                (str(tests), TESTS_DIR, "ro"),
+                (str(logs), REPORT_DIR, "rw"),
+                (str(self._toolchain.directory), TOOLCHAIN_MOUNT, "ro"),
+                (image_root, IMAGE_MOUNT, "ro"),
+                (str(scratch), VERIFIER_TMP, "rw"),
+                *((h, m, "ro") for h, m in runtime.host_mounts),
+            ]
             spec = task.environment
             labels = self._backend.labels(self.run_id, self.sandbox_id, task, "verifier")
             args = [
-                "run", "--rm", "--name", self.verifier_name,
+                "run",
+                "--rm",
+                "--name",
+                self.verifier_name,
                 *(arg for key, value in labels.items() for arg in ("--label", f"{key}={value}")),
-                "--network", f"container:{self.name}", "--user", "0:0", "--workdir", self._workdir,
-                "--memory", f"{spec.memory_mb}m", "--memory-swap", f"{spec.memory_mb}m",
-                "--pids-limit", str(self._backend.config.pids_max), *engine.rlimit_flags,
-                "--env-file", str(env_file),
+                "--network",
+                f"container:{self.name}",
+                "--user",
+                "0:0",
+                "--workdir",
+                self._workdir,
+                "--memory",
+                f"{spec.memory_mb}m",
+                "--memory-swap",
+                f"{spec.memory_mb}m",
+                "--pids-limit",
+                str(self._backend.config.pids_max),
+                *engine.rlimit_flags,
+                "--env-file",
+                str(env_file),
                 *(arg for host, target, mode in mounts for arg in ("-v", f"{host}:{target}:{mode}")),
-                "--rootfs", rootfs, *plan.argv,
-            ]  # fmt: skip
+                "--rootfs",
+                rootfs,
+                *plan.argv,
+            ]
             run = _proc.run_captured(
-                engine.argv(*args), env={"PATH": _proc.DEFAULT_PATH, "HOME": "/root"},
-                timeout_sec=task.limits.verifier_timeout_sec, head_bytes=64 * 1024, tail_bytes=4 << 20,
+                engine.argv(*args),
+                env={"PATH": _proc.DEFAULT_PATH, "HOME": "/root"},
+                timeout_sec=task.limits.verifier_timeout_sec,
+                head_bytes=64 * 1024,
+                tail_bytes=4 << 20,
                 on_timeout=lambda proc: (engine.remove(self.verifier_name), proc.kill()),
-            )  # fmt: skip
+            )
         finally:
             if rootfs is not None:
                 engine.call("umount", self.name, check=False)
             engine.call("image", "umount", self._prepared.image_id, check=False)
         output = run.stdout + "\n" + run.stderr
         if run.exit_code in (125, 126, 127) and "Error: " in run.stderr and not any(logs.iterdir()):
-            return VerifierReport((), False, FailureCause.SANDBOX_ERROR, None, None,
-                                  f"the verifier container did not run: {run.stderr.strip()[-1500:]}",
-                                  output_tail=output[-VERIFIER_OUTPUT_TAIL_BYTES:])  # fmt: skip
-        report = reports.build_report(report_dir=logs, output=output, exit_code=run.exit_code,
-                                      timed_out=run.timed_out, detail=plan.note)  # fmt: skip
+            return VerifierReport(
+                (),
+                False,
+                FailureCause.SANDBOX_ERROR,
+                None,
+                None,
+                f"the verifier container did not run: {run.stderr.strip()[-1500:]}",
+                output_tail=output[-VERIFIER_OUTPUT_TAIL_BYTES:],
+            )
+        report = reports.build_report(
+            report_dir=logs, output=output, exit_code=run.exit_code, timed_out=run.timed_out, detail=plan.note
+        )
         return _with_output(report, output)
 
 

@@ -9,6 +9,8 @@ from sandbox_service.check_tasks import TaskAudit, TrialOutcome, all_sound, chec
 from .conftest import HARBOR_HELLO, MALFORMED, TASKS, TB1_LOGS
 
 pytestmark = pytest.mark.sandbox
+ON_LOCAL = "on local, stand-in"  # every local task runs on a stand-in root
+PY311 = "python-3.11-bookworm for python:3.11-slim"
 
 
 def test_example_tasks_are_all_sound(backend):
@@ -16,12 +18,13 @@ def test_example_tasks_are_all_sound(backend):
     audits = check_tasks(TASKS, backend, on_audit=lambda audit: lines.append(audit.line()))
     assert sorted(lines) == sorted(
         [
-            "t1jax/build-steps sound solution 5/5 noop 2/5 on local, stand-in debian-bookworm for debian:bookworm",
-            "t1jax/hello-world sound solution 2/2 noop 0/2 on local, stand-in python-3.11-bookworm for python:3.11-slim",
-            "sales-report sound solution 7/7 noop 0/7 on local, stand-in python-3.11-bookworm for python:3.11-slim",
-            "hello-world sound solution 2/2 noop 0/2 on local, stand-in debian-trixie for "
+            f"t1jax/build-steps sound solution 5/5 noop 2/5 {ON_LOCAL} debian-bookworm for debian:bookworm",
+            f"t1jax/hello-world sound solution 2/2 noop 0/2 {ON_LOCAL} {PY311}",
+            f"sales-report sound solution 7/7 noop 0/7 {ON_LOCAL} {PY311}",
+            f"hello-world sound solution 2/2 noop 0/2 {ON_LOCAL} debian-trixie for "
             "ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624",
-            "log-parsing sound solution 7/7 noop 0/7 on local, stand-in python-3.13-trixie for python:3.12-slim-bookworm",
+            f"log-parsing sound solution 7/7 noop 0/7 {ON_LOCAL} python-3.13-trixie for "
+            "python:3.12-slim-bookworm",
         ]
     )
     by_id = {audit.task_id: audit for audit in audits}
@@ -62,8 +65,7 @@ def test_unsound_tasks_are_reported_with_reasons(backend, tmp_path):
     audits = {audit.source_dir.name: audit for audit in check_tasks(pool, backend)}
     assert not all_sound(audits.values())
     assert audits["noop-passes"].line() == (
-        "noop-passes unsound solution 1/1 noop 1/1 on local, stand-in python-3.11-bookworm for python:3.11-slim "
-        "(doing nothing already passes)"
+        f"noop-passes unsound solution 1/1 noop 1/1 {ON_LOCAL} {PY311} (doing nothing already passes)"
     )
     wrong = audits["wrong-solution"]
     assert not wrong.sound and wrong.solution.score() == "1/7" and wrong.noop.score() == "0/7"
@@ -76,7 +78,8 @@ def test_unsound_tasks_are_reported_with_reasons(backend, tmp_path):
         "unsupported_dockerfile: Dockerfile line 2: multi-stage builds"
     )
     assert skipped["multi-step"].line() == (
-        "multi-step skipped on local (multi_step: a multi-step Harbor task (2 steps: one, two): no backend here "
+        "multi-step skipped on local (multi_step: a multi-step Harbor task (2 steps: one, two): "
+        "no backend here "
         "verifies per step (the Sandbox contract verifies once per trial))"
     )
     assert skipped["compose"].reason.startswith(

@@ -144,11 +144,18 @@ def test_unsupported_dockerfiles_name_line_and_reason(tmp_path, dockerfile, reas
 @pytest.mark.parametrize(
     "image",
     [
-        "python:3.11-slim", "python:3.13", "ubuntu:24.04", "debian:bookworm-slim", "golang:1.24-bookworm",
-        "gcc:14", "node:20-slim", "eclipse-temurin:21-jdk", "buildpack-deps:bookworm",
+        "python:3.11-slim",
+        "python:3.13",
+        "ubuntu:24.04",
+        "debian:bookworm-slim",
+        "golang:1.24-bookworm",
+        "gcc:14",
+        "node:20-slim",
+        "eclipse-temurin:21-jdk",
+        "buildpack-deps:bookworm",
         "ghcr.io/laude-institute/t-bench/python-3-13:2025",
     ],
-)  # fmt: skip
+)
 def test_supported_bases(tmp_path, image):
     assert _parse(f"FROM {image}\n", tmp_path).base_image == image
 
@@ -217,7 +224,8 @@ def test_users_and_owners_as_in_docker(builder, tmp_path):
     (task_dir / "environment" / "owned.txt").write_text("mine\n")
     (task_dir / "environment" / "Dockerfile").write_text(
         "FROM python:3.11-slim\nRUN useradd -m -u 1000 agent && chown agent /opt\n"
-        "COPY --chown=agent:agent owned.txt /opt/owned.txt\nUSER agent\nRUN touch /opt/by-agent && id -u > /opt/id\n"
+        "COPY --chown=agent:agent owned.txt /opt/owned.txt\nUSER agent\n"
+        "RUN touch /opt/by-agent && id -u > /opt/id\n"
         "WORKDIR /home/agent\n"
     )
     built = builder.build(load_task(task_dir))
@@ -293,7 +301,8 @@ def test_pip_install_at_build_time_with_network(tmp_path):
 def test_multi_service_compose_is_rejected_at_load_time(tmp_path):
     task_dir = shutil.copytree(TB1_HELLO, tmp_path / "task")
     (task_dir / "docker-compose.yaml").write_text(
-        "services:\n  client:\n    build:\n      dockerfile: Dockerfile\n  database:\n    image: postgres:16\n"
+        "services:\n  client:\n    build:\n      dockerfile: Dockerfile\n"
+        "  database:\n    image: postgres:16\n"
     )
     with pytest.raises(
         UnsupportedTaskFormat, match=r"multi-container compose environment \(2 services: client, database\)"

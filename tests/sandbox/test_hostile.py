@@ -52,7 +52,8 @@ def test_agent_cannot_read_host_files(backend, hello_task, tmp_path):
                 assert result.exit_code != 0 and result.stdout == "" and "No such file" in result.stderr
             # The root is a stand-in image, not the host's: nothing of the host's files is anywhere in it.
             search = sandbox.exec(
-                f"grep -rsl host-secret-{token} / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev | wc -l",
+                f"grep -rsl host-secret-{token} / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev "
+                "| wc -l",
                 120,
             )
             assert search.stdout == "0\n", search.stdout
@@ -337,9 +338,19 @@ def test_planted_conftest_and_ini_cannot_raise_the_score(any_backend, hello_task
     shutil.copy(HARBOR_HELLO / "tests" / "test_outputs.py", tmp_path / "tests")
     (tmp_path / "tests" / "conftest.py").write_text(_PASSING_CONFTEST)
     control = subprocess.run(
-        ["/usr/bin/python3", "-P", "-s", str(toolchain_dir / "run_pytest.py"), "-p", "no:cacheprovider",
-         str(tmp_path / "tests")], capture_output=True, text=True, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            "/usr/bin/python3",
+            "-P",
+            "-s",
+            str(toolchain_dir / "run_pytest.py"),
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "tests"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert control.returncode == 0 and "2 passed" in control.stdout
     sandbox = any_backend.create(hello_task)
     try:
@@ -384,8 +395,11 @@ def test_fake_pytest_and_python_hijacks_cannot_raise_the_score(any_backend, hell
         assert sandbox.exec("bash -lic 'pytest /tests' 2>/dev/null", 30).stdout.startswith("FAKE-PYTEST")
         # Last, the interpreters themselves: python3 and bash replaced by scripts that fake reports.
         for target in ("/usr/bin/python3.11", "/usr/bin/bash"):
-            sandbox.exec(f"cp /bin/dash /tmp/dash; rm -f {target}; printf '#!/tmp/dash\\n%s\\nexit 0\\n' "
-                         f"'{_FAKE_REPORTS}' > {target} && chmod 755 {target}", 30)  # fmt: skip
+            sandbox.exec(
+                f"cp /bin/dash /tmp/dash; rm -f {target}; printf '#!/tmp/dash\\n%s\\nexit 0\\n' "
+                f"'{_FAKE_REPORTS}' > {target} && chmod 755 {target}",
+                30,
+            )
         assert sandbox.exec("python3 -c 'print(1)'; cat /logs/verifier/reward.txt", 30).stdout == "1\n"
         report = sandbox.verify()
     finally:

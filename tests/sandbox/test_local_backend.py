@@ -28,8 +28,8 @@ from .conftest import (
     HARBOR_BUILD,
     MALFORMED,
     REPO,
-    TB1_LOGS,
     STAND_IN_DIR,
+    TB1_LOGS,
     assert_sandbox_gone,
     copy_task,
     count_processes,
@@ -199,7 +199,8 @@ def test_unsupported_environment_is_rejected_before_anything_starts(backend, tmp
     before = backend.live_sandboxes()
     multi_stage = copy_task(MALFORMED / "unsupported-instruction", tmp_path / "multi-stage")
     (multi_stage / "environment" / "Dockerfile").write_text(
-        "FROM python:3.11-slim AS build\nRUN true\nFROM python:3.11-slim\nCOPY --from=build /etc/hostname /x\n"
+        "FROM python:3.11-slim AS build\nRUN true\n"
+        "FROM python:3.11-slim\nCOPY --from=build /etc/hostname /x\n"
     )
     for task_dir, reason in (
         (MALFORMED / "unsupported-base", "Alpine"),
@@ -248,8 +249,9 @@ from sandbox_service.tasks import load_task
 backend = LocalBackend(cache_dir={cache!r}, toolchain_dir={toolchain!r}, stand_in_dir={stand_ins!r})
 sandbox = backend.create(load_task({task!r}), run_id="crashed-run")
 sandbox.exec("setsid sleep 300 > /dev/null 2>&1 &", 30)
-print(json.dumps({{"id": sandbox.sandbox_id, "pids": sorted(sandbox.cgroups.members()), "holder": sandbox.holder_pid,
-                  "cgroups": sandbox.cgroups.to_json()}}), flush=True)
+record = {{"id": sandbox.sandbox_id, "pids": sorted(sandbox.cgroups.members()), "holder": sandbox.holder_pid,
+          "cgroups": sandbox.cgroups.to_json()}}
+print(json.dumps(record), flush=True)
 os.kill(os.getpid(), 9)
 """
 
