@@ -127,6 +127,16 @@ def build_backend(args: argparse.Namespace) -> SandboxProvider:
     )
 
 
+def require_toolchain(args: argparse.Namespace) -> None:
+    """Fail before any work if the pinned verifier toolchain the backend will mount is missing."""
+    from sandbox_service.verifier import DEFAULT_TOOLCHAIN_SUBDIR, Toolchain, ToolchainMissing
+
+    try:
+        Toolchain.at(args.toolchain_dir or args.cache_dir / DEFAULT_TOOLCHAIN_SUBDIR)
+    except ToolchainMissing as error:
+        raise UsageError(str(error)) from None
+
+
 def admission_config(args: argparse.Namespace) -> AdmissionConfig:
     return AdmissionConfig(
         create_rate_per_sec=args.rate,
@@ -169,6 +179,7 @@ def cmd_check_tasks(args: argparse.Namespace) -> int:
         provider: SandboxProvider = SandboxServiceClient(args.url)
         name = f"service at {args.url}"
     else:
+        require_toolchain(args)
         backend = build_backend(args)
         provider = AdmissionController(backend, AdmissionConfig(create_rate_per_sec=None))
         name = args.backend

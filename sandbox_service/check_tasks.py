@@ -135,8 +135,9 @@ def format_audit_line(audit: TaskAudit) -> str:
     """`<task id> sound|unsound solution <s> noop <n>[ on <backend>[, stand-in <recipe> for <image>...]]
     [ (<reason>)]`, or `<task id> skipped[ on <backend>] (<reason>)`."""
     where = f" on {audit.backend}" if audit.backend else ""
+    reason = " ".join(audit.reason.split())  # one line per task, whatever the error text looked like
     if audit.skipped:
-        return f"{audit.task_id} skipped{where} ({audit.reason})"
+        return f"{audit.task_id} skipped{where} ({reason})"
     solution = audit.solution.score() if audit.solution else "-"
     noop = audit.noop.score() if audit.noop else "-"
     line = f"{audit.task_id} {audit.verdict} solution {solution} noop {noop}{where}"
@@ -146,7 +147,7 @@ def format_audit_line(audit: TaskAudit) -> str:
             for s in audit.environment.substitutions
         )
         line += f", stand-in {swaps}"
-    return f"{line} ({audit.reason})" if audit.reason else line
+    return f"{line} ({reason})" if reason else line
 
 
 def check_tasks(

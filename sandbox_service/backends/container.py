@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandbox_service import reports
+from sandbox_service.backends._proc import DEFAULT_PATH
 from sandbox_service.contracts import ExecResult, FailureCause, Task, TerminalRead, VerifierReport
-from sandbox_service.envbuild import DEFAULT_PATH
 from sandbox_service.errors import BackendError, BadRequest, SandboxClosed, SandboxStateError
 from sandbox_service.verifier import (
     REPORT_DIR,

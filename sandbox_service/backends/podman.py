@@ -179,7 +179,9 @@ class PodmanError(BackendError):
 class PodmanEngine:
     """The podman CLI, with this host's global flags. Every call has a timeout."""
 
-    def __init__(self, binary: str = "podman", global_args: Sequence[str] | None = None):
+    def __init__(
+        self, binary: str = "podman", global_args: Sequence[str] | None = None, work_dir: Path | None = None
+    ):
         path = shutil.which(binary)
         if path is None:
             raise BackendError(
@@ -189,6 +191,9 @@ class PodmanEngine:
         self.binary = path
         self.global_args = tuple(default_engine_args() if global_args is None else global_args)
         self.rlimit_flags = _rlimit_flags()
+        # podman's conmon drops files (e.g. `oom`) into the caller's working directory: give it its own.
+        self.work_dir = Path(work_dir or DEFAULT_STAND_IN_DIR.parent / "podman-cwd")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
 
     def argv(self, *args: str) -> list[str]:
         return [self.binary, *self.global_args, *args]
@@ -202,6 +207,7 @@ class PodmanEngine:
                 capture_output=True,
                 timeout=timeout_sec,
                 env={"PATH": _proc.DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"},
+                cwd=self.work_dir,
             )
         except subprocess.TimeoutExpired as error:
             raise PodmanError(f"podman {' '.join(args[:2])} timed out after {timeout_sec:g} s") from error
@@ -298,14 +304,13 @@ class PodmanBackend:
         self.toolchain_dir = Path(config.toolchain_dir or self.cache_dir / DEFAULT_TOOLCHAIN_SUBDIR).resolve()
         self.state_dir = self.cache_dir / "container-sandboxes"
         self.build_dir = self.cache_dir / "container-builds"
-        self.engine = PodmanEngine(config.engine, config.engine_args)
+        self.engine = PodmanEngine(config.engine, config.engine_args, self.cache_dir / "podman-cwd")
         self.stand_ins = StandInStore(config.stand_in_dir or DEFAULT_STAND_IN_DIR)
         self.owner = owner_token()
         self._sandboxes: dict[str, PodmanSandbox] = {}
         self._lock = threading.Lock()
         self._build_locks: dict[str, threading.Lock] = {}
         self._unreachable: dict[str, float] = {}  # registry -> when a pull last failed
-        self._prepared: dict[tuple, PreparedImage] = {}
         self._storage_quota = self._backing_fs_is_xfs()
         self._closed = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="container-sandboxes", daemon=True)
@@ -444,49 +449,32 @@ class PodmanBackend:
 
     def environment_audit(self, task: Task) -> EnvironmentAudit:
         """How this backend runs `task` (resolves base images; builds nothing but stand-in roots)."""
-        requested = (
-            (task.environment.docker_image,)
-            if task.environment.dockerfile is None
-            else tuple(dict.fromkeys(line.image for line in self.task_bases(task) if line.image))
-        )
+        spec = task.environment
+
+        def skipped(reason: SkipReason, detail: str, requested: tuple[str, ...] = ()) -> EnvironmentAudit:
+            return EnvironmentAudit(task.task_id, BACKEND_NAME, None, requested, (), reason, detail)
+
         try:
-            if task.environment.dockerfile is not None:
+            if spec.dockerfile is not None:
                 self._dockerfile_text(task)
+                requested = tuple(dict.fromkeys(line.image for line in self.task_bases(task) if line.image))
+            else:
+                requested = (spec.docker_image,) if spec.docker_image else ()
         except UnsupportedEnvironment as error:
-            return EnvironmentAudit(
-                task.task_id,
-                BACKEND_NAME,
-                None,
-                tuple(filter(None, requested)),
-                (),
-                SkipReason.UNSUPPORTED_DOCKERFILE,
-                error.reason,
-            )
+            return skipped(SkipReason.UNSUPPORTED_DOCKERFILE, error.reason)
         try:
             bases = self.resolve_task(task)
         except UnsupportedEnvironment as error:
-            return EnvironmentAudit(
-                task.task_id,
-                BACKEND_NAME,
-                None,
-                tuple(filter(None, requested)),
-                (),
-                SkipReason.UNSUPPORTED_IMAGE,
-                error.reason,
-            )
+            return skipped(SkipReason.UNSUPPORTED_IMAGE, error.reason, requested)
         substitutions = tuple(
             ImageSubstitution(b.requested, b.used, b.substitution.differences)
             for b in bases
             if b.substitution
         )
-        image = (
-            bases[0].used
-            if task.environment.dockerfile is None
-            else (
-                f"{TASK_IMAGE_REPOSITORY}/{_slug(task.task_id)} "
-                f"(built from {task.environment.dockerfile.name})"
-            )
-        )
+        if spec.dockerfile is None:
+            image = bases[0].used
+        else:
+            image = f"{TASK_IMAGE_REPOSITORY}/{_slug(task.task_id)} (built from {spec.dockerfile.name})"
         sources = ", ".join(f"{b.requested}: {b.source}" for b in bases)
         audit = EnvironmentAudit(task.task_id, BACKEND_NAME, image, requested, substitutions, None, sources)
         return apply_common_rules(audit, task, internet_granted=self.config.allow_internet)
@@ -721,6 +709,7 @@ class PodmanSandbox(ContainerSandbox):
                 capture_output=True,
                 timeout=timeout_sec,
                 env={"PATH": _proc.DEFAULT_PATH, "HOME": "/root"},
+                cwd=engine.work_dir,
             )
         except subprocess.TimeoutExpired as error:
             return RunOutput(error.stdout or b"", error.stderr or b"", finished=False)
@@ -857,6 +846,7 @@ class PodmanSandbox(ContainerSandbox):
                 head_bytes=64 * 1024,
                 tail_bytes=4 << 20,
                 on_timeout=lambda proc: (engine.remove(self.verifier_name), proc.kill()),
+                cwd=str(engine.work_dir),
             )
         finally:
             if rootfs is not None:

@@ -71,6 +71,16 @@ def container_backend(tmp_path_factory, toolchain_dir):
     assert podman.own_containers() == [], "containers left behind"
 
 
+@pytest.fixture(autouse=True)
+def no_leaked_containers(request):
+    """After every test that used the shared container backend: none of its containers is left
+    (what `podman ps -a` shows with this backend's owner label)."""
+    yield
+    if "container_backend" in request.fixturenames:
+        podman = request.getfixturevalue("container_backend")
+        assert podman.own_containers() == [], f"{request.node.name} left containers behind"
+
+
 @pytest.fixture(params=["local", "container"])
 def any_backend(request):
     """Each of the two real backends in turn (for guarantees both must keep)."""

@@ -5,6 +5,9 @@ import shutil
 import pytest
 
 from sandbox_service.check_tasks import TaskAudit, TrialOutcome, all_sound, check_tasks, format_audit_line
+from sandbox_service.contracts import SkipReason
+from sandbox_service.fidelity import environment_audit
+from sandbox_service.tasks import load_task
 
 from .conftest import HARBOR_HELLO, MALFORMED, TASKS, TB1_LOGS
 
@@ -108,3 +111,19 @@ def test_audit_line_without_per_assertion_reports():
     )
     assert timed_out.fails_some and timed_out.score() == "unknown(verifier_timeout)"
     assert outcome.passes_all and failing.fails_some and not all_sound([])
+
+
+def test_gpu_and_internet_needs_are_skips_with_the_reason(backend, tmp_path):
+    gpu = shutil.copytree(HARBOR_HELLO, tmp_path / "gpu")
+    (gpu / "task.toml").write_text('[task]\nname = "gpu"\n[environment]\ngpus = 1\n')
+    audit = environment_audit(load_task(gpu), backend)
+    assert audit.skip_reason == SkipReason.NEEDS_GPU and not audit.runnable
+    online = shutil.copytree(HARBOR_HELLO, tmp_path / "online")
+    (online / "task.toml").write_text('[task]\nname = "online"\n[environment]\nallow_internet = true\n')
+    (online / "solution" / "solve.sh").write_text(
+        "#!/bin/bash\ncurl -fsSL https://example.com > /app/hello.txt\n"
+    )
+    audit = environment_audit(load_task(online), backend)
+    assert audit.skip_reason == SkipReason.NEEDS_INTERNET and "'curl'" in audit.detail
+    (online / "solution" / "solve.sh").write_text("#!/bin/bash\necho 'Hello, world!' > /app/hello.txt\n")
+    assert environment_audit(load_task(online), backend).runnable  # allowed, but it needs none
