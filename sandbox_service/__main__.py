@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 
 from sandbox_service.admission import AdmissionConfig, AdmissionController
+from sandbox_service.argparsing import EXIT_BAD_INPUT, OneLineArgumentParser, one_line
 from sandbox_service.contracts import SandboxError, SandboxProvider, TaskLimits
 
 DEFAULT_CACHE_DIR = Path(".cache") / "sandbox_service"  # the local backend's default, too
 
 BACKENDS = ("local", "container", "kubernetes", "modal")
-EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
 
@@ -304,18 +304,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (`prog: error: ...`) and exit status 2."""
-
-    def error(self, message: str):  # noqa: D401 - argparse's hook
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
-
-
 def parser() -> argparse.ArgumentParser:
-    root = _Parser(prog="python -m sandbox_service", description=__doc__.split("\n\n")[0])
+    root = OneLineArgumentParser(prog="python -m sandbox_service", description=__doc__.split("\n\n")[0])
     root.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     root.add_argument("--debug", action="store_true", help="show tracebacks of errors")
-    commands = root.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands = root.add_subparsers(dest="command", required=True, parser_class=OneLineArgumentParser)
 
     serve = commands.add_parser("serve", help="run the HTTP service")
     add_backend_flags(serve)
@@ -411,13 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, SandboxError, OSError, ValueError) as error:
         if args.debug:
             raise
-        print(f"python -m sandbox_service {args.command}: {_one_line(error)}", file=sys.stderr)
+        print(f"python -m sandbox_service {args.command}: {one_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text if len(text) <= 400 else text[:397] + "..."
 
 
 if __name__ == "__main__":

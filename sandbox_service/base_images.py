@@ -30,7 +30,6 @@ Invariants:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -38,7 +37,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import threading
 import time
@@ -641,33 +639,3 @@ def _extract_shifted(tarball: Path, target: Path, uid_base: int) -> None:
             archive.extract(member, target, filter="fully_trusted", numeric_owner=True)
     os.chmod(target, 0o755)
     os.chown(target, uid_base, uid_base)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m sandbox_service.base_images",
-        description="Build the stand-in base roots for images no registry can serve here.",
-    )
-    parser.add_argument("images", nargs="*", help="image references, e.g. python:3.11-slim")
-    parser.add_argument("--dir", type=Path, default=DEFAULT_STAND_IN_DIR)
-    parser.add_argument(
-        "--list", action="store_true", help="print the stand-in for each image, build nothing"
-    )
-    args = parser.parse_args(argv)
-    store = StandInStore(args.dir)
-    for image in args.images:
-        try:
-            recipe, substitution = stand_in_for(image)
-        except UnsupportedImage as error:
-            print(f"{image}: unsupported: {error.reason}")
-            continue
-        if args.list:
-            print(substitution.describe())
-            continue
-        built = store.build(recipe, log=lambda text: print(text, flush=True))
-        print(f"{image}: {recipe.image_tag} ({built.tarball})", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

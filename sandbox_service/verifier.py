@@ -47,7 +47,6 @@ Invariants:
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import json
@@ -62,6 +61,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from sandbox_service.argparsing import EXIT_BAD_INPUT, OneLineArgumentParser, one_line
 from sandbox_service.contracts import Task, TaskLayout
 
 PYTEST_VERSION = "8.4.1"
@@ -693,16 +693,23 @@ def _pytest_files(task: Task, script_text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="python -m sandbox_service.verifier", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--setup", action="store_true", help="install the pinned verifier toolchain")
     parser.add_argument("--toolchain-dir", type=Path, default=DEFAULT_TOOLCHAIN_DIR)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     args = parser.parse_args(argv)
     if not args.setup:
-        parser.print_help()
-        return 2
-    toolchain = setup_toolchain(args.toolchain_dir)
+        parser.error("nothing to do: pass --setup")
+    try:
+        toolchain = setup_toolchain(args.toolchain_dir)
+    except (OSError, subprocess.CalledProcessError) as error:
+        if args.debug:
+            raise
+        print(f"python -m sandbox_service.verifier: installing the toolchain failed: {one_line(error)}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_BAD_INPUT
     print(f"verifier toolchain ready at {toolchain.directory} ({', '.join(PINNED_REQUIREMENTS)})")
     return 0
 
