@@ -45,7 +45,7 @@ test-slow:
 
 # The fidelity corpus through check-tasks on the local and the container backend.
 test-containers: setup-containers
-	$(PY) -m pytest -m containers -q tests/sandbox/test_fidelity_corpus.py
+	$(PY) -m pytest -m containers -n $(PYTEST_WORKERS) -q tests/sandbox/test_fidelity_corpus.py
 
 bench:
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

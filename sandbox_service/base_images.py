@@ -46,7 +46,7 @@ from pathlib import Path
 
 from sandbox_service.locks import file_lock
 
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"  # bump whenever what a recipe builds changes without its fields changing
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 # Shared by every checkout and cache directory of this user: a stand-in takes a minute to build.
 DEFAULT_STAND_IN_DIR = Path.home() / ".cache" / "t1jax" / "stand-ins"
@@ -223,12 +223,27 @@ def _nearest_suite(wanted: str, attribute: str) -> tuple[_Suite, str | None]:
     return suite, f"{getattr(suite, attribute)} instead of {wanted}"
 
 
-def _python_recipe(suite: _Suite, flavour: str = "python") -> StandInRecipe:
+# What the non-slim official images (python:3.x, node:N, built on buildpack-deps) have beyond slim.
+BUILDPACK_PACKAGES = ("build-essential", "git", "curl", "wget", "gnupg", "openssh-client", "procps",
+                      "pkg-config", "libssl-dev", "libffi-dev", "zlib1g-dev")  # fmt: skip
+
+
+def _python_recipe(suite: _Suite, *, slim: bool = True) -> StandInRecipe:
     return StandInRecipe(
-        name=f"{flavour}-{suite.python}-{suite.name}",
+        name=f"python-{suite.python}-{suite.name}" + ("" if slim else "-full"),
         suite=suite.name,
-        packages=("python3", "python3-pip", "python3-venv", "ca-certificates", "netbase", "tzdata"),
-        summary=f"Debian {suite.debian} ({suite.name}) with Debian's Python {suite.python} in /usr/bin",
+        packages=(
+            "python3",
+            "python3-pip",
+            "python3-venv",
+            "python3-dev",
+            "ca-certificates",
+            "netbase",
+            "tzdata",
+            *(() if slim else BUILDPACK_PACKAGES),
+        ),  # fmt: skip
+        summary=f"Debian {suite.debian} ({suite.name}) with Debian's Python {suite.python} in /usr/bin"
+        + ("" if slim else " and the buildpack-deps tools (gcc, git, curl...)"),
         links=(
             ("/usr/local/bin/python", "/usr/bin/python3"),
             ("/usr/local/bin/python3", "/usr/bin/python3"),
@@ -309,11 +324,11 @@ def _gcc_recipe(suite: _Suite, version: int) -> StandInRecipe:
     )
 
 
-def _node_recipe(suite: _Suite) -> StandInRecipe:
+def _node_recipe(suite: _Suite, *, slim: bool = True) -> StandInRecipe:
     return StandInRecipe(
-        name=f"node-{suite.node}-{suite.name}",
+        name=f"node-{suite.node}-{suite.name}" + ("" if slim else "-full"),
         suite=suite.name,
-        packages=("nodejs", "npm", "ca-certificates"),
+        packages=("nodejs", "npm", "ca-certificates", *(() if slim else BUILDPACK_PACKAGES)),
         summary=f"Debian {suite.debian} ({suite.name}) with Debian's Node.js {suite.node} and npm",
         cmd=("node",),
     )
@@ -387,7 +402,7 @@ def stand_in_for(image: str) -> tuple[StandInRecipe, Substitution]:
     if name in ("python", "pypy"):
         version = _tag_version(tag) or _BY_NAME["trixie"].python
         suite, mismatch = _nearest_suite(".".join(version.split(".")[:2]), "python")
-        recipe = _python_recipe(suite)
+        recipe = _python_recipe(suite, slim="slim" in _tag_words(tag))
         if mismatch:
             notes.append(f"Python {mismatch}")
         notes.append(
@@ -441,7 +456,7 @@ def stand_in_for(image: str) -> tuple[StandInRecipe, Substitution]:
     elif name == "node":
         version = (_tag_version(tag) or str(_BY_NAME["trixie"].node)).split(".")[0]
         suite, mismatch = _nearest_suite(version, "node")
-        recipe = _node_recipe(suite)
+        recipe = _node_recipe(suite, slim="slim" in _tag_words(tag))
         if mismatch:
             notes.append(f"Node.js {mismatch}")
     elif name in ("eclipse-temurin", "openjdk", "amazoncorretto", "maven"):
@@ -482,6 +497,9 @@ def _customize_script(recipe: StandInRecipe, packages_file: Path) -> str:
         lines.append(f'mkdir -p "$root{os.path.dirname(link)}" && ln -sfn {target} "$root{link}"')
     for pattern in recipe.remove_globs:
         lines.append(f'rm -rf "$root"{pattern}')
+    # The build's own apt options (no recommends) must not stay: the official images install
+    # recommended packages, and tasks rely on it (`apt-get install gcc` brings libc6-dev).
+    lines.append('rm -f "$root"/etc/apt/apt.conf.d/99mmdebstrap')
     # What the official images do: no apt lists or caches in the image.
     lines.append(
         'rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/var/cache/apt/archives/*.deb'
@@ -540,6 +558,9 @@ class StandInStore:
             tarball, manifest_path = self._paths(recipe)
             staging = self.directory / f".{recipe.name}-{recipe.key}.building-{os.getpid()}.tar"
             packages_file = self.directory / f".{recipe.name}-{recipe.key}.packages"
+            scratch = self.directory / f".{recipe.name}-{recipe.key}.scratch"  # mmdebstrap's TMPDIR
+            _remove_scratch(scratch)  # what a build that died (holding this lock) left, mounts included
+            scratch.mkdir()
             mmdebstrap = shutil.which("mmdebstrap")
             if mmdebstrap is None:
                 raise StandInBuildError(
@@ -570,17 +591,20 @@ class StandInStore:
                     capture_output=True,
                     text=True,
                     timeout=self.build_timeout_sec,
-                    env={"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "TMPDIR": str(self.directory)},
+                    env={"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "TMPDIR": str(scratch)},
                 )
             except subprocess.TimeoutExpired as error:
                 staging.unlink(missing_ok=True)
+                _remove_scratch(scratch)
                 raise StandInBuildError(f"mmdebstrap for {recipe.name} timed out") from error
             if done.returncode != 0:
                 staging.unlink(missing_ok=True)
+                _remove_scratch(scratch)
                 raise StandInBuildError(
                     f"mmdebstrap for stand-in {recipe.name} failed (exit {done.returncode}): "
                     f"{(done.stderr or done.stdout)[-3000:]}"
                 )
+            _remove_scratch(scratch)
             manifest = {
                 "recipe": dataclasses.asdict(recipe),
                 "key": recipe.key,
@@ -625,6 +649,23 @@ def _package_versions(listing: Path, packages: Iterable[str]) -> dict[str, str]:
             versions[name] = version
     listing.unlink(missing_ok=True)
     return versions
+
+
+def _remove_scratch(scratch: Path) -> None:
+    """Unmount whatever an interrupted mmdebstrap left mounted under `scratch` (its chroot's /proc,
+    /sys, /dev), deepest first, then delete it."""
+    if not scratch.exists():
+        return
+    prefix = str(scratch.resolve()) + "/"
+    mounts = []
+    with open("/proc/self/mountinfo") as handle:
+        for line in handle:
+            point = line.split()[4].replace("\\040", " ")
+            if point.startswith(prefix):
+                mounts.append(point)
+    for point in sorted(mounts, key=len, reverse=True):
+        subprocess.run(["umount", "--lazy", point], check=False, capture_output=True)
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _extract_shifted(tarball: Path, target: Path, uid_base: int) -> None:

@@ -233,19 +233,15 @@ class LocalBackend:
         try:
             plan = check_environment(task)
         except UnsupportedEnvironment as error:
-            reason = (
-                SkipReason.UNSUPPORTED_IMAGE
-                if "base image" in error.reason
-                else SkipReason.UNSUPPORTED_DOCKERFILE
-            )
+            if "base image" in error.reason:  # nothing stands in for it: no backend here runs it
+                reason, detail = SkipReason.UNSUPPORTED_IMAGE, error.reason
+            else:  # beyond the local builder's subset: `podman build` may build it
+                reason, detail = (
+                    SkipReason.UNSUPPORTED_DOCKERFILE,
+                    f"{error.reason} (--backend container may run it)",
+                )
             return EnvironmentAudit(
-                task.task_id,
-                BACKEND_NAME,
-                None,
-                (base,) if base else (),
-                (),
-                reason,
-                f"{error.reason} (the container backend may run it)",
+                task.task_id, BACKEND_NAME, None, (base,) if base else (), (), reason, detail
             )
         recipe, substitution = stand_in_for(plan.base_image)
         image = f"{recipe.name} stand-in root" + (

@@ -427,6 +427,7 @@ class PodmanBackend:
                     "build",
                     "--pull=never",
                     "--layers",
+                    "--force-rm",  # no build container left behind by a failed step
                     "-f",
                     str(path),
                     "-t",

@@ -26,7 +26,7 @@ HARBOR_SALES = TASKS / "harbor" / "sales-report"
 HARBOR_BUILD = TASKS / "harbor" / "build-steps"
 TB1_HELLO = TASKS / "terminal-bench-1" / "hello-world"
 TB1_LOGS = TASKS / "terminal-bench-1" / "log-parsing"
-STAND_IN_DIR = REPO / DEFAULT_STAND_IN_DIR  # shared by every test backend: stand-ins take a minute to build
+STAND_IN_DIR = DEFAULT_STAND_IN_DIR  # the user's shared stand-ins: each takes a minute to build
 
 
 @pytest.fixture(scope="session")

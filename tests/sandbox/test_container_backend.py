@@ -13,6 +13,7 @@ import pytest
 from sandbox_service.backends import create_provider
 from sandbox_service.backends.podman import LABEL_OWNER, LABEL_RUN, PodmanBackend, PodmanConfig, PodmanEngine
 from sandbox_service.contracts import SkipReason, UnsupportedEnvironment
+from sandbox_service.errors import BackendError
 from sandbox_service.fidelity import environment_audit
 from sandbox_service.tasks import load_task
 
@@ -227,3 +228,14 @@ def test_multi_stage_dockerfile_builds_in_the_container_backend(container_backen
         assert sandbox.exec("cat /opt/artifact /opt/heredoc", 30).stdout == "built-in-stage-one\nheredoc\n"
     finally:
         sandbox.close()
+
+
+def test_a_failing_build_is_a_clear_error_and_leaves_no_build_container(container_backend, tmp_path):
+    task_dir = copy_task(HARBOR_BUILD, tmp_path / "failing-build")
+    dockerfile = "FROM debian:bookworm\nRUN echo about to fail; exit 3\n"
+    (task_dir / "environment" / "Dockerfile").write_text(dockerfile)
+    before = _podman("ps", "-a", "--external", "--format", "{{.ID}}").split()
+    with pytest.raises(BackendError, match="building its Dockerfile failed.*exit"):
+        container_backend.create(load_task(task_dir), run_id="container-failing-build")
+    assert _podman("ps", "-a", "--external", "--format", "{{.ID}}").split() == before
+    assert _containers_of_run("container-failing-build") == []
