@@ -536,6 +536,7 @@ class EnvironmentBuilder:
             try:
                 log = self._build_step(task, step, staging, base_root, below)
                 shutil.rmtree(staging / "work", ignore_errors=True)
+                shutil.rmtree(staging / "copy", ignore_errors=True)
                 changed = any((staging / "diff").iterdir())
                 (staging / "build.log").write_text(log)
                 (staging / "layer.json").write_text(
@@ -579,90 +580,100 @@ class EnvironmentBuilder:
             },
             {"op": "userns", "name": "build", "base": SANDBOX_UID_BASE, "count": SANDBOX_UID_COUNT},
         ]
+        copy_script = ""
+        if isinstance(step, CopyStep):  # sources staged (owned by the sandbox's root), bound by the holder
+            copy_script, staged = _stage_copy(step, staging / "copy")
+            for index, directory in enumerate(staged):
+                ops.append({"op": "mkdir", "path": f"{COPY_STAGING}/{index}", "mode": 0o755})
+                ops.append(
+                    {
+                        "op": "bind",
+                        "source": str(directory),
+                        "target": f"{COPY_STAGING}/{index}",
+                        "readonly": True,
+                    }
+                )
         holder = HolderProcess.start(self._tools["unshare"], ops)
         try:
-            merged = Path(f"/proc/{holder.pid}/root/run/t1jax/root")
             if isinstance(step, WorkdirStep):
-                _make_dirs(merged, step.path, SANDBOX_UID_BASE, SANDBOX_UID_BASE)
-                return f"WORKDIR {step.path}\n"
+                script = f"mkdir -p {shlex.quote(step.path)}"
+                argv = ("/bin/sh", "-c", script)
+                return self._run_in_build(task, holder, step.line, "WORKDIR", argv, network=False)
             if isinstance(step, CopyStep):
-                _copy_step(step, merged)
-                return f"COPY {[s.name for s in step.sources]} {step.destination}\n"
-            return self._run_step(task, step, holder)
+                user = resolve_user(self._merged(holder), step.chown) if step.chown else (0, 0)
+                argv = ("/bin/sh", "-c", copy_script.replace("{owner}", f"{user[0]}:{user[1]}"))
+                binds = tuple(
+                    (f"{COPY_STAGING}/{i}", f"{COPY_SOURCE_MOUNT}/{i}") for i in range(len(step.sources))
+                )
+                keyword = "ADD" if step.extract_archives else "COPY"
+                return self._run_in_build(task, holder, step.line, keyword, argv, network=False, binds=binds)
+            named = bool(step.user) and not step.user.partition(":")[0].isdigit()
+            uid, gid = resolve_user(self._merged(holder), step.user)
+            # A RUN after USER: the image's own setpriv switches (bwrap cannot switch uids in a
+            # joined user namespace; the build runs the task's own code anyway).
+            switch_user = [] if uid == 0 else [
+                "setpriv", "--reuid", str(uid), "--regid", str(gid),
+                "--init-groups" if named else "--clear-groups", "--",
+            ]  # fmt: skip
+            env = {"HOME": user_home(self._merged(holder), uid), **dict(step.env)}
+            return self._run_in_build(
+                task,
+                holder,
+                step.line,
+                "RUN",
+                (*switch_user, *step.argv),
+                env=env,
+                workdir=step.workdir,
+                network=self.network,
+            )
         finally:
             holder.stop()
 
-    def _run_step(self, task: Task, step: RunStep, holder: HolderProcess) -> str:
-        uid, gid = resolve_user(Path(f"/proc/{holder.pid}/root/run/t1jax/root"), step.user)
-        # A RUN after USER: the image's own setpriv switches (bwrap cannot switch uids in a joined
-        # user namespace; the build runs only the task's own code anyway).
-        named = bool(step.user) and not step.user.partition(":")[0].isdigit()
-        switch_user = (
-            []
-            if uid == 0
-            else [
-                "setpriv",
-                "--reuid",
-                str(uid),
-                "--regid",
-                str(gid),
-                "--init-groups" if named else "--clear-groups",
-                "--",
-            ]
-        )
+    @staticmethod
+    def _merged(holder: HolderProcess) -> Path:
+        return Path(f"/proc/{holder.pid}/root/run/t1jax/root")
+
+    def _run_in_build(
+        self,
+        task: Task,
+        holder: HolderProcess,
+        line: int,
+        keyword: str,
+        argv: tuple[str, ...],
+        *,
+        network: bool,
+        env: Mapping[str, str] | None = None,
+        workdir: str = "/",
+        binds: tuple[tuple[str, str], ...] = (),
+    ) -> str:
+        """Run one step's command in a build sandbox over the step's overlay (as the image's root,
+        with Docker's capability set): RUN steps, and COPY/ADD/WORKDIR too, so that every path
+        resolves inside the image (a symlink a layer planted can never point a write at the host).
+        `binds` are (path in the holder's namespace, path under /dev) read-only inputs; /dev is a
+        tmpfs of the sandbox, so nothing of them lands in the layer."""
         userns = os.open(f"/proc/{holder.userns['build']}/ns/user", os.O_RDONLY)
+        environment = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": "build", **(env or {})}
+        bundle = host_ca_bundle() if network else None
+        extra = [arg for source, inside in binds for arg in ("--ro-bind", source, inside)]
+        if bundle is not None:  # a TLS-inspecting proxy: trust the host's CAs for this step only
+            extra += ["--ro-bind", str(bundle), CA_MOUNT]
+            environment.update(trust_env())
         try:
             args = [
-                self._tools["nsenter"],
-                f"--mount=/proc/{holder.pid}/ns/mnt",
-                "--",
-                self._tools["setpriv"],
-                "--reuid",
-                str(SANDBOX_UID_BASE),
-                "--regid",
-                str(SANDBOX_UID_BASE),
-                "--clear-groups",
-                "--",
-                self._tools["bwrap"],
-                "--userns",
-                str(userns),
-                "--die-with-parent",
-                "--new-session",
-                "--unshare-pid",
-                "--unshare-ipc",
-                "--unshare-uts",
-                "--hostname",
-                "build",
-                *([] if self.network else ["--unshare-net"]),
-                "--cap-drop",
-                "ALL",
-                *[arg for cap in DOCKER_CAPABILITIES for arg in ("--cap-add", cap)],
-                "--bind",
-                "/run/t1jax/root",
-                "/",
-                "--proc",
-                "/proc",
-                "--dev",
-                "/dev",
-                "--tmpfs",
-                "/dev/shm",
-                *(["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"] if self.network else []),
-                "--chdir",
-                step.workdir,
-                "--",
-                *switch_user,
-                *step.argv,
-            ]
-            home = user_home(Path(f"/proc/{holder.pid}/root/run/t1jax/root"), uid)
-            env = {"PATH": DEFAULT_PATH, "HOME": home, "HOSTNAME": "build", **dict(step.env)}
-            bundle = host_ca_bundle() if self.network else None
-            if bundle is not None:  # a TLS-inspecting proxy: trust the host's CAs for this step only
-                at = args.index("--chdir")
-                args[at:at] = ["--ro-bind", str(bundle), CA_MOUNT]
-                env.update(trust_env())
+                self._tools["nsenter"], f"--mount=/proc/{holder.pid}/ns/mnt", "--",
+                self._tools["setpriv"], "--reuid", str(SANDBOX_UID_BASE), "--regid", str(SANDBOX_UID_BASE),
+                "--clear-groups", "--",
+                self._tools["bwrap"], "--userns", str(userns), "--die-with-parent", "--new-session",
+                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "build",
+                *([] if network else ["--unshare-net"]),
+                "--cap-drop", "ALL", *[arg for cap in DOCKER_CAPABILITIES for arg in ("--cap-add", cap)],
+                "--bind", "/run/t1jax/root", "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm",
+                *(["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"] if network else []),
+                *extra, "--chdir", workdir, "--", *argv,
+            ]  # fmt: skip
             result = _proc.run_captured(
                 args,
-                env=env,
+                env=environment,
                 timeout_sec=self.build_timeout_sec,
                 head_bytes=self.log_bytes // 2,
                 tail_bytes=self.log_bytes // 2,
@@ -671,12 +682,12 @@ class EnvironmentBuilder:
             )
         finally:
             os.close(userns)
-        log = f"$ {shlex.join(step.argv)}\n{result.stdout}{result.stderr}"
+        log = f"{keyword} $ {shlex.join(argv)}\n{result.stdout}{result.stderr}"
         if result.timed_out or result.exit_code != 0:
             why = "timed out" if result.timed_out else f"exited {result.exit_code}"
             tail = (result.stdout + result.stderr)[-2000:]
             raise EnvironmentBuildError(
-                f"task {task.task_id!r}: Dockerfile line {step.line} RUN {shlex.join(step.argv)[:200]} "
+                f"task {task.task_id!r}: Dockerfile line {line} {keyword} {shlex.join(argv)[:200]} "
                 f"{why}:\n{tail}"
             )
         return log
@@ -734,66 +745,67 @@ def _table(path: Path | None) -> dict[str, list[str]]:
     return {fields[0]: fields for fields in (line.split(":") for line in lines) if len(fields) >= 4}
 
 
-def _make_dirs(merged: Path, container_path: str, uid: int, gid: int) -> Path:
-    """mkdir -p inside the overlay; directories it creates get owner uid:gid (host ids)."""
-    target = merged
-    for part in Path(container_path).parts[1:]:
-        target = target / part
-        if not target.exists() and not target.is_symlink():
-            target.mkdir(mode=0o755)
-            os.lchown(target, uid, gid)
-    return target
+COPY_STAGING = "/run/t1jax/copy"  # in the build holder's namespace
+COPY_SOURCE_MOUNT = "/dev/.t1jax-copy"  # in the build sandbox (a tmpfs: nothing lands in the layer)
 
 
-def _copy_step(step: CopyStep, merged: Path) -> None:
-    uid, gid = resolve_user(merged, step.chown) if step.chown else (0, 0)
-    owner = (SANDBOX_UID_BASE + uid, SANDBOX_UID_BASE + gid)
-    into_directory = step.destination.endswith("/")
+def _stage_copy(step: CopyStep, staging: Path) -> tuple[str, list[Path]]:
+    """Stage one COPY/ADD's sources under `staging` (one directory per source, owned by the
+    sandbox's root so its root can read them whatever their host modes) and return the shell script
+    (for the image's /bin/sh, as its root) that performs the copy, with `{owner}` standing for the
+    --chown uid:gid. Docker's rules: a directory's contents are copied, not the directory; a
+    destination ending in '/' (or several sources) is a directory; ADD extracts a local tar archive
+    keeping its owners (decompressed here first); files get the --chmod mode; every copied entry,
+    and nothing else, gets the --chown owner."""
+    q = shlex.quote
+    staged: list[Path] = []
+    lines = ["set -e"]
     destination = step.destination.rstrip("/") or "/"
-    for source in step.sources:
+    into_directory = step.destination.endswith("/")
+    for index, source in enumerate(step.sources):
+        directory = staging / str(index)
+        directory.mkdir(parents=True)
+        staged.append(directory)
+        inside = f"{COPY_SOURCE_MOUNT}/{index}"
         if step.extract_archives and source.is_file() and source.name.endswith(_ARCHIVE_SUFFIXES):
-            target = _make_dirs(merged, destination, *owner)
-            _extract_archive(source, target)
-            continue
-        if source.is_dir():
-            target = _make_dirs(merged, destination, *owner)
-            _copy_tree(source, target, owner, step.chmod)
-            continue
-        if into_directory:
-            target = _make_dirs(merged, destination, *owner) / source.name
-        else:
-            _make_dirs(merged, os.path.dirname(destination) or "/", SANDBOX_UID_BASE, SANDBOX_UID_BASE)
-            target = merged / destination.lstrip("/")
-        shutil.copy2(source, target, follow_symlinks=False)
-        os.lchown(target, *owner)
-        if step.chmod is not None:
-            os.chmod(target, step.chmod)
-
-
-def _copy_tree(source: Path, target: Path, owner: tuple[int, int], chmod: int | None) -> None:
-    for path in sorted(source.rglob("*")):
-        destination = target / path.relative_to(source)
-        if path.is_dir() and not path.is_symlink():
-            destination.mkdir(exist_ok=True)
-        else:
-            shutil.copy2(path, destination, follow_symlinks=False)
-            if chmod is not None and not path.is_symlink():
-                os.chmod(destination, chmod)
-        os.lchown(destination, *owner)
-
-
-def _extract_archive(archive_path: Path, target: Path) -> None:
-    """ADD of a local archive: extracted keeping its owners (shifted into the sandbox range)."""
-    with tarfile.open(archive_path) as archive:
-        for member in archive:
-            if member.isdev():
-                continue
-            shifted = member.replace(
-                uid=member.uid + SANDBOX_UID_BASE, gid=member.gid + SANDBOX_UID_BASE, uname="", gname=""
+            with tarfile.open(source) as archive, tarfile.open(directory / "archive.tar", "w") as plain:
+                for member in archive:
+                    plain.addfile(member, archive.extractfile(member) if member.isfile() else None)
+            lines.append(
+                f"mkdir -p {q(destination)} && "
+                f"tar -x -p --same-owner -f {inside}/archive.tar -C {q(destination)}"
             )
-            # "tar" refuses absolute paths and paths leaving `target` (it is under /proc/<holder>/root,
-            # so ".." would reach the host) but keeps owners, unlike "data".
-            archive.extract(shifted, target, filter="tar", numeric_owner=True)
+        elif source.is_dir():
+            shutil.copytree(source, directory, symlinks=True, dirs_exist_ok=True)
+            lines.append(
+                f"mkdir -p {q(destination)} && "
+                f"cp -R --preserve=mode,timestamps,links {inside}/. {q(destination)}/"
+            )
+            if step.chown:
+                lines.append(f"(cd {inside} && find . -mindepth 1) | "
+                             f'while IFS= read -r p; do chown -h {{owner}} {q(destination)}/"$p"; done; '
+                             f"chown {{owner}} {q(destination)}")  # fmt: skip
+            if step.chmod is not None:
+                lines.append(f"(cd {inside} && find . -type f) | "
+                             f"while IFS= read -r p; do "
+                             f'chmod {step.chmod:o} {q(destination)}/"$p"; done')  # fmt: skip
+        else:
+            shutil.copy2(source, directory / source.name, follow_symlinks=False)
+            target = f"{destination}/{source.name}" if into_directory else destination
+            lines.append(f"mkdir -p {q(os.path.dirname(target) or '/')} && "
+                         f"cp -P --preserve=mode,timestamps,links "
+                         f"{inside}/{q(source.name)} {q(target)}")  # fmt: skip
+            if step.chown:
+                lines.append(f"chown -h {{owner}} {q(target)}")
+            if step.chmod is not None:
+                lines.append(f"chmod {step.chmod:o} {q(target)}")
+        _chown_tree(directory, SANDBOX_UID_BASE, SANDBOX_UID_BASE)
+    return "\n".join(lines) + "\n", staged
+
+
+def _chown_tree(root: Path, uid: int, gid: int) -> None:
+    for path in [root, *root.rglob("*")]:
+        os.lchown(path, uid, gid)
 
 
 def _digest(value: object) -> str:

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import tarfile
 import threading
 from pathlib import Path
 
@@ -196,7 +197,8 @@ def test_build_produces_layers_over_a_shifted_stand_in_root(builder):
     assert built.substitution.requested == "debian:bookworm" and built.recipe == "debian-bookworm"
     assert not Path("/srv/shared").exists() and not Path("/opt/greeter").exists()  # the host is untouched
     logs = [(layer.parent / "build.log").read_text() for layer in built.layers]
-    assert sum(log.count("$ ") for log in logs) == 3  # three RUN steps
+    assert sum(log.startswith("RUN $ ") for log in logs) == 3  # three RUN steps
+    assert sum(log.startswith(("COPY $ ", "ADD $ ")) for log in logs) == 3  # run inside the image too
 
 
 def test_layer_cache_is_shared_by_identical_leading_steps_and_rebuilt_on_change(builder, tmp_path):
@@ -316,3 +318,21 @@ def test_layer_records_are_json(builder):
     for layer in built.layers:
         meta = json.loads((layer.parent / "layer.json").read_text())
         assert meta["changed"] is True and os.path.basename(layer.parent) == meta["key"]
+
+
+def test_copy_through_a_planted_symlink_stays_inside_the_image(builder, tmp_path):
+    """COPY and ADD run inside the build sandbox: a symlink an earlier layer planted resolves in the
+    image's root, as in Docker, and can never point a write at the host."""
+    task_dir = shutil.copytree(HARBOR_HELLO, tmp_path / "task")
+    marker = f"t1jax-escape-{tmp_path.name}"
+    (task_dir / "environment" / "note.txt").write_text("inside\n")
+    with tarfile.open(task_dir / "environment" / "bundle.tar.gz", "w:gz") as archive:
+        archive.add(task_dir / "environment" / "note.txt", arcname="from-archive.txt")
+    (task_dir / "environment" / "Dockerfile").write_text(
+        f"FROM python:3.11-slim\nRUN ln -s / /opt/escape\nCOPY note.txt /opt/escape/tmp/{marker}\n"
+        f"ADD bundle.tar.gz /opt/escape/tmp/{marker}-dir/\n"
+    )
+    built = builder.build(load_task(task_dir))
+    assert not Path(f"/tmp/{marker}").exists() and not Path(f"/tmp/{marker}-dir").exists()
+    assert _in_layers(built, f"tmp/{marker}").read_text() == "inside\n"
+    assert _in_layers(built, f"tmp/{marker}-dir/from-archive.txt").read_text() == "inside\n"
