@@ -11,8 +11,10 @@ A task is sound when the solution passes every assertion and the no-op fails at 
 no-op whose verifier times out has failed: it did not pass). Without a per-assertion report the
 verifier's binary outcome decides. Tasks that fail to load, cannot be built, have no reference
 solution or whose sandbox fails are unsound, with the reason. Tasks in a format no backend runs
-(multi-step, multi-container) and tasks the backend skips (unsupported image, needs internet, GPU)
-are *skipped*, with the reason: they are neither sound nor unsound here.
+(multi-step, multi-container), tasks the backend skips (unsupported image, needs internet, GPU)
+and tasks whose image build failed on a host name this machine cannot resolve
+(`fidelity.build_failure_skip`) are *skipped*, with the reason: they are neither sound nor unsound
+here.
 
 Invariants:
 - One `TaskAudit` per task directory found (loaded or not), in path order.
@@ -40,7 +42,7 @@ from sandbox_service.contracts import (
     TaskLimits,
     VerifierReport,
 )
-from sandbox_service.fidelity import environment_audit
+from sandbox_service.fidelity import build_failure_skip, environment_audit
 from sandbox_service.solution import solution_commands
 from sandbox_service.tasks import UnsupportedTaskFormat, load_dataset
 
@@ -253,14 +255,18 @@ def audit_task(
         solution, solution_note, solution_run = _run_trial(task, provider, run_id, with_solution=True)
         noop, _, _ = _run_trial(task, provider, run_id, with_solution=False)
     except (SandboxError, OSError) as error:
+        skip = build_failure_skip(error)
+        if skip is not None:  # the audit's environment says it too, for readers of the JSON
+            base["environment"] = dataclasses.replace(environment, skip_reason=skip[0], detail=skip[1])
         return TaskAudit(
             task.task_id,
             task.source_dir,
             False,
             None,
             None,
-            f"sandbox failed: {error}",
+            f"{skip[0].value}: {skip[1]}" if skip else f"sandbox failed: {error}",
             **base,
+            skipped=skip is not None,
             seconds=time.monotonic() - started,
         )
     problems = []

@@ -175,6 +175,7 @@ class SkipReason(str, enum.Enum):
     UNSUPPORTED_IMAGE = "unsupported_image"  # a base image no registry serves and nothing stands in for
     UNSUPPORTED_DOCKERFILE = "unsupported_dockerfile"  # an instruction this backend's builder lacks
     NEEDS_INTERNET = "needs_internet"  # its solution downloads, and the backend gives it no network
+    UNREACHABLE_HOST = "unreachable_host"  # building its image fetches from a host this machine cannot reach
     MULTI_CONTAINER = "multi_container"  # docker-compose with several services
     MULTI_STEP = "multi_step"  # Harbor [[steps]]
     NEEDS_GPU = "needs_gpu"

@@ -15,6 +15,10 @@ task allows internet but the provider gives it none (the solution could not pass
 task on it would be wrong). Wrappers (`AdmissionController`, `SandboxServiceClient`) pass the
 question on to the backend behind them.
 
+Some reasons only show once a build runs: `build_failure_skip` reads a failed build's output and
+names the hosts it could not resolve (`unreachable_host`): a Dockerfile that fetches from a host
+this machine cannot reach says nothing about the task, so the task is skipped, not judged unsound.
+
 Invariant: `environment_audit` starts no sandbox and never raises for a task that loaded; a backend
 that cannot describe itself gets an audit saying so (`detail`), with `substitutions` unknown (empty).
 """
@@ -22,6 +26,7 @@ that cannot describe itself gets an audit saying so (`detail`), with `substituti
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from sandbox_service.contracts import EnvironmentAudit, SandboxProvider, SkipReason, Task
 from sandbox_service.solution import solution_network_use
@@ -63,3 +68,46 @@ def apply_common_rules(audit: EnvironmentAudit, task: Task, *, internet_granted:
                 "(the task allows internet; --allow-internet lets it through)",
             )
     return audit
+
+
+# What resolvers, downloaders and package managers print when a host name does not resolve; each
+# pattern captures the host.
+_UNRESOLVED_HOST_PATTERNS = tuple(
+    re.compile(pattern)
+    for pattern in (
+        r"Could not resolve host: ([\w.-]+)",  # curl, git over https
+        r"unable to resolve host address [‘'\"]([\w.-]+)",  # wget
+        r"(?:Temporary failure resolving|Could not resolve) '([\w.-]+)'",  # apt
+        r"host='([\w.-]+)'[^\n]*(?:NameResolutionError|Temporary failure in name resolution|"
+        r"Name or service not known)",  # pip / urllib3
+        r"dial tcp: lookup ([\w.-]+)[^\n]*(?:no such host|server misbehaving)",  # go
+        r"getaddrinfo (?:ENOTFOUND|EAI_AGAIN) ([\w.-]+)",  # npm, node
+        r"ssh: Could not resolve hostname ([\w.-]+)",
+    )
+)
+
+
+def unresolved_hosts(output: str) -> tuple[str, ...]:
+    """The host names `output` (a build's log) says could not be resolved, in first-seen order."""
+    hosts: dict[str, None] = {}
+    for pattern in _UNRESOLVED_HOST_PATTERNS:
+        for match in pattern.finditer(output):
+            hosts.setdefault(match.group(1).rstrip(".").lower(), None)
+    return tuple(hosts)
+
+
+def build_failure_skip(error: BaseException) -> tuple[SkipReason, str] | None:
+    """Why a task whose sandbox failed to start is skipped rather than judged, or None.
+
+    A build that failed after a host name did not resolve is `unreachable_host` (the task may well
+    be fine where that host is reachable). Every other failure is the task's own (None)."""
+    message = str(error)
+    if "build" not in message.lower() and "dockerfile" not in message.lower():
+        return None
+    hosts = unresolved_hosts(message)
+    if not hosts:
+        return None
+    named = ", ".join(hosts[:4]) + (f" and {len(hosts) - 4} more" if len(hosts) > 4 else "")
+    return SkipReason.UNREACHABLE_HOST, (
+        f"building its image fetches from {named}, which this machine cannot reach"
+    )

@@ -440,11 +440,19 @@ class PodmanBackend:
                     str(context),
                 ]
                 try:
-                    self.engine.call(*args, timeout_sec=self.config.build_timeout_sec)
+                    done = self.engine.call(*args, timeout_sec=self.config.build_timeout_sec, check=False)
                 except PodmanError as error:
                     raise BackendError(
                         f"task {task.task_id!r}: building its Dockerfile failed: {error}"
                     ) from error
+                if done.returncode != 0:
+                    # The failing step's own output is on stdout; stderr only names the step.
+                    output = done.stdout.decode("utf-8", "replace").strip()[-2000:]
+                    step = done.stderr.decode("utf-8", "replace").strip()[-1000:]
+                    raise BackendError(
+                        f"task {task.task_id!r}: building its Dockerfile failed "
+                        f"(exit {done.returncode}): {step}\n{output}"
+                    )
 
     # -- audit ---------------------------------------------------------------------------------------
 

@@ -1,12 +1,13 @@
 """Reference-solution audit: the example pool is sound; broken tasks are reported unsound, with why."""
 
 import shutil
+import subprocess
 
 import pytest
 
 from sandbox_service.check_tasks import TaskAudit, TrialOutcome, all_sound, check_tasks, format_audit_line
 from sandbox_service.contracts import SkipReason
-from sandbox_service.fidelity import environment_audit
+from sandbox_service.fidelity import environment_audit, unresolved_hosts
 from sandbox_service.tasks import load_task
 
 from .conftest import HARBOR_HELLO, MALFORMED, TASKS, TB1_LOGS
@@ -127,3 +128,45 @@ def test_gpu_and_internet_needs_are_skips_with_the_reason(backend, tmp_path):
     assert audit.skip_reason == SkipReason.NEEDS_INTERNET and "'curl'" in audit.detail
     (online / "solution" / "solve.sh").write_text("#!/bin/bash\necho 'Hello, world!' > /app/hello.txt\n")
     assert environment_audit(load_task(online), backend).runnable  # allowed, but it needs none
+
+
+def test_a_build_that_cannot_resolve_a_host_is_a_skip_naming_it(any_backend, tmp_path):
+    # `.invalid` never resolves (RFC 2606), with or without a network: apt's real error names it.
+    unreachable = shutil.copytree(HARBOR_HELLO, tmp_path / "pool" / "unreachable")
+    (unreachable / "task.toml").write_text('[task]\nname = "unreachable"\n')
+    (unreachable / "environment" / "Dockerfile").write_text(
+        "FROM debian:bookworm\n"
+        "RUN echo 'deb http://deb.t1jax.invalid/debian bookworm main' > /tmp/unreachable.list"
+        " && apt-get -o Dir::Etc::SourceList=/tmp/unreachable.list -o Dir::Etc::SourceParts=/nonexistent"
+        " -o APT::Update::Error-Mode=any update\n"
+    )
+    [audit] = check_tasks(tmp_path / "pool", any_backend)
+    assert audit.skipped and audit.reason.startswith("unreachable_host: ")
+    assert "deb.t1jax.invalid" in audit.reason
+    assert audit.environment.skip_reason == SkipReason.UNREACHABLE_HOST
+    assert "skipped on" in audit.line()
+    # Any other build failure stays the task's own.
+    (unreachable / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nRUN exit 3\n")
+    [audit] = check_tasks(tmp_path / "pool", any_backend)
+    assert not audit.skipped and audit.reason.startswith("sandbox failed: ")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["curl", "-sS", "https://{host}/"],
+        ["wget", "-O", "/dev/null", "https://{host}/"],
+        ["git", "ls-remote", "https://{host}/repo.git"],
+        ["node", "-e", "require('https').get('https://{host}/').on('error', e => console.error(e.message))"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_unresolved_hosts_read_from_each_tools_real_message(argv):
+    if shutil.which(argv[0]) is None:
+        pytest.skip(f"{argv[0]} is not installed here")
+    host = f"{argv[0]}.t1jax.invalid"
+    done = subprocess.run(
+        [part.format(host=host) for part in argv], capture_output=True, text=True, timeout=60
+    )
+    assert unresolved_hosts(done.stdout + done.stderr) == (host,)
+    assert unresolved_hosts("ERROR: No matching distribution found for requests") == ()
