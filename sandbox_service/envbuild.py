@@ -65,6 +65,7 @@ from sandbox_service.base_images import (
     stand_in_for,
 )
 from sandbox_service.contracts import SandboxError, Task, UnsupportedEnvironment
+from sandbox_service.fidelity import earlier_steps_note, unresolved_hosts
 from sandbox_service.host_trust import CA_MOUNT, host_ca_bundle, trust_env
 from sandbox_service.locks import file_lock
 
@@ -499,8 +500,11 @@ class EnvironmentBuilder:
                 return built
         base_root = self.stand_ins.shifted_root(recipe, SANDBOX_UID_BASE)
         layers: list[Path] = []  # bottom first while building
-        for step, key in zip(plan.steps, keys, strict=True):
-            layer = self._layer(task, step, key, base_root, layers)
+        for number, (step, key) in enumerate(zip(plan.steps, keys, strict=True)):
+            try:
+                layer = self._layer(task, step, key, base_root, layers)
+            except EnvironmentBuildError as error:
+                raise EnvironmentBuildError(f"{error}{self._earlier_logs_note(keys[:number])}") from error
             if layer is not None:
                 layers.append(layer)
         environment = BuiltEnvironment(
@@ -549,6 +553,14 @@ class EnvironmentBuilder:
                 if staging.exists():
                     shutil.rmtree(staging, ignore_errors=True)
         return final / "diff" if changed else None
+
+    def _earlier_logs_note(self, keys: list[str]) -> str:
+        """What earlier (succeeded) steps' logs say could not be resolved: `curl ... | sh` passes
+        when the download fails, and only a later step notices that nothing was installed."""
+        logs = [self.layers_dir / key / "build.log" for key in keys]
+        return earlier_steps_note(
+            unresolved_hosts("\n".join(log.read_text(errors="replace") for log in logs if log.is_file()))
+        )
 
     def _key_lock(self, key: str) -> threading.Lock:
         with self._locks_guard:

@@ -96,6 +96,15 @@ def unresolved_hosts(output: str) -> tuple[str, ...]:
     return tuple(hosts)
 
 
+def earlier_steps_note(hosts: tuple[str, ...]) -> str:
+    """A line for a build error naming hosts that earlier, succeeded steps could not resolve
+    (`curl ... | sh` succeeds when the download fails; only a later step notices nothing was
+    installed), worded so that `unresolved_hosts` reads them back; '' for none."""
+    if not hosts:
+        return ""
+    return "\n(earlier steps: " + "; ".join(f"Could not resolve host: {host}" for host in hosts) + ")"
+
+
 def build_failure_skip(error: BaseException) -> tuple[SkipReason, str] | None:
     """Why a task whose sandbox failed to start is skipped rather than judged, or None.
 

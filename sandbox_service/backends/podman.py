@@ -89,7 +89,7 @@ from sandbox_service.dockerfile import (
     translate_heredocs,
 )
 from sandbox_service.errors import BackendError, SandboxClosed, SandboxStateError
-from sandbox_service.fidelity import apply_common_rules
+from sandbox_service.fidelity import apply_common_rules, earlier_steps_note, unresolved_hosts
 from sandbox_service.host_trust import CA_MOUNT, host_ca_bundle, trust_env
 from sandbox_service.locks import file_lock
 from sandbox_service.verifier import (
@@ -447,11 +447,15 @@ class PodmanBackend:
                     ) from error
                 if done.returncode != 0:
                     # The failing step's own output is on stdout; stderr only names the step.
-                    output = done.stdout.decode("utf-8", "replace").strip()[-2000:]
+                    output = done.stdout.decode("utf-8", "replace").strip()
                     step = done.stderr.decode("utf-8", "replace").strip()[-1000:]
+                    tail = output[-2000:]
+                    earlier = tuple(
+                        host for host in unresolved_hosts(output) if host not in unresolved_hosts(tail)
+                    )
                     raise BackendError(
                         f"task {task.task_id!r}: building its Dockerfile failed "
-                        f"(exit {done.returncode}): {step}\n{output}"
+                        f"(exit {done.returncode}): {step}\n{tail}{earlier_steps_note(earlier)}"
                     )
 
     # -- audit ---------------------------------------------------------------------------------------

@@ -134,17 +134,22 @@ def test_a_build_that_cannot_resolve_a_host_is_a_skip_naming_it(any_backend, tmp
     # `.invalid` never resolves (RFC 2606), with or without a network: apt's real error names it.
     unreachable = shutil.copytree(HARBOR_HELLO, tmp_path / "pool" / "unreachable")
     (unreachable / "task.toml").write_text('[task]\nname = "unreachable"\n')
-    (unreachable / "environment" / "Dockerfile").write_text(
-        "FROM debian:bookworm\n"
+    update = (
         "RUN echo 'deb http://deb.t1jax.invalid/debian bookworm main' > /tmp/unreachable.list"
         " && apt-get -o Dir::Etc::SourceList=/tmp/unreachable.list -o Dir::Etc::SourceParts=/nonexistent"
-        " -o APT::Update::Error-Mode=any update\n"
+        " -o APT::Update::Error-Mode=any update"
     )
+    dockerfile = unreachable / "environment" / "Dockerfile"
+    dockerfile.write_text(f"FROM debian:bookworm\n{update}\n")
     [audit] = check_tasks(tmp_path / "pool", any_backend)
     assert audit.skipped and audit.reason.startswith("unreachable_host: ")
     assert "deb.t1jax.invalid" in audit.reason
     assert audit.environment.skip_reason == SkipReason.UNREACHABLE_HOST
     assert "skipped on" in audit.line()
+    # The download failed quietly (`curl ... | sh` style) and a later step finds nothing installed.
+    dockerfile.write_text(f"FROM debian:bookworm\n{update} || true\nRUN test -x /usr/local/bin/tool\n")
+    [audit] = check_tasks(tmp_path / "pool", any_backend)
+    assert audit.skipped and "deb.t1jax.invalid" in audit.reason, audit.reason
     # Any other build failure stays the task's own.
     (unreachable / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nRUN exit 3\n")
     [audit] = check_tasks(tmp_path / "pool", any_backend)
