@@ -167,11 +167,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_check_tasks(args: argparse.Namespace) -> int:
     from sandbox_service.check_tasks import all_sound, check_tasks
+    from sandbox_service.tasks import find_task_dirs
 
     if not args.tasks_dir.is_dir():
         raise UsageError(f"task directory not found: {args.tasks_dir}")
     if args.task_timeout is not None and args.task_timeout <= 0:
         raise UsageError(f"--task-timeout must be positive, got {args.task_timeout:g}")
+    if not find_task_dirs(args.tasks_dir):
+        raise UsageError(
+            f"no tasks under {args.tasks_dir} (a task directory holds task.toml, instruction.md, "
+            "task.yaml or run-tests.sh; symlinked directories are not followed)"
+        )
     backend = None
     if args.url:
         from sandbox_service.client import SandboxServiceClient

@@ -265,6 +265,21 @@ def _debian_recipe(suite: _Suite) -> StandInRecipe:
     )
 
 
+# What Ubuntu's base image (ubuntu-base, the root of ubuntu:XX.04) has beyond Debian's minbase: its
+# manifest lists procps (ps, pgrep, kill), e2fsprogs and sensible-utils among the required packages.
+UBUNTU_BASE_EXTRAS = ("procps", "e2fsprogs", "sensible-utils")
+
+
+def _ubuntu_recipe(suite: _Suite) -> StandInRecipe:
+    return StandInRecipe(
+        name=f"debian-{suite.name}-ubuntu-base",
+        suite=suite.name,
+        packages=UBUNTU_BASE_EXTRAS,
+        summary=f"Debian {suite.debian} ({suite.name}) minbase with Ubuntu base's extra packages "
+        f"({', '.join(UBUNTU_BASE_EXTRAS)})",
+    )
+
+
 def _buildpack_recipe(suite: _Suite) -> StandInRecipe:
     return StandInRecipe(
         name=f"buildpack-deps-{suite.name}",
@@ -425,7 +440,7 @@ def stand_in_for(image: str) -> tuple[StandInRecipe, Substitution]:
         suite_name = _UBUNTU_TO_DEBIAN.get(release) or _UBUNTU_TO_DEBIAN.get(
             _tag_version(release) or "", "trixie"
         )
-        recipe = _debian_recipe(_BY_NAME[suite_name])
+        recipe = _ubuntu_recipe(_BY_NAME[suite_name])
         shown = _UBUNTU_RELEASE.get(release, release)
         notes.append(
             f"Debian {_BY_NAME[suite_name].debian} ({suite_name}) instead of Ubuntu {shown} "

@@ -176,6 +176,43 @@ class PodmanError(BackendError):
     """A podman command failed; the message holds its stderr."""
 
 
+class StepHostLog:
+    """Which built layers' RUN output named hosts that did not resolve, kept across builds.
+
+    podman prints a step's output only when it builds the step; a later build that reuses the layer
+    prints "Using cache". The hosts are kept per layer id (in `directory`, shared by every backend
+    on the host like the engine's layer store), so a later step failing after a cached
+    `curl ... | sh` that installed nothing is still traced to the unreachable host."""
+
+    _STEP = re.compile(r"^STEP \d+/\d+: ", re.MULTILINE)
+    _LAYER = re.compile(r"^--> ([0-9a-f]{11,64})\s*$", re.MULTILINE)
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def earlier_steps(self, output: str) -> tuple[str, ...]:
+        """Hosts that the completed steps of one `podman build`'s `output` could not resolve, built
+        now (recorded here) or reused from the cache (read back)."""
+        hosts: dict[str, None] = {}
+        for segment in self._STEP.split(output)[1:]:
+            layer = self._LAYER.search(segment)
+            if layer is None:  # the failing (or unfinished) step
+                continue
+            record = self.directory / f"{layer.group(1)[:12]}.json"
+            if "--> Using cache" in segment:
+                try:
+                    found = tuple(json.loads(record.read_text()))
+                except (OSError, ValueError):
+                    found = ()
+            else:
+                found = unresolved_hosts(segment)
+                if found:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                    record.write_text(json.dumps(found))
+            hosts.update(dict.fromkeys(found))
+        return tuple(hosts)
+
+
 class PodmanEngine:
     """The podman CLI, with this host's global flags. Every call has a timeout."""
 
@@ -306,6 +343,8 @@ class PodmanBackend:
         self.build_dir = self.cache_dir / "container-builds"
         self.engine = PodmanEngine(config.engine, config.engine_args, self.cache_dir / "podman-cwd")
         self.stand_ins = StandInStore(config.stand_in_dir or DEFAULT_STAND_IN_DIR)
+        # Next to the stand-ins: layer ids are global to the engine's store, not to one cache dir.
+        self._step_hosts = StepHostLog(self.stand_ins.directory / "podman-step-hosts")
         self.owner = owner_token()
         self._sandboxes: dict[str, PodmanSandbox] = {}
         self._lock = threading.Lock()
@@ -445,14 +484,13 @@ class PodmanBackend:
                     raise BackendError(
                         f"task {task.task_id!r}: building its Dockerfile failed: {error}"
                     ) from error
+                output = done.stdout.decode("utf-8", "replace").strip()
+                earlier = self._step_hosts.earlier_steps(output)
                 if done.returncode != 0:
                     # The failing step's own output is on stdout; stderr only names the step.
-                    output = done.stdout.decode("utf-8", "replace").strip()
                     step = done.stderr.decode("utf-8", "replace").strip()[-1000:]
                     tail = output[-2000:]
-                    earlier = tuple(
-                        host for host in unresolved_hosts(output) if host not in unresolved_hosts(tail)
-                    )
+                    earlier = tuple(host for host in earlier if host not in unresolved_hosts(tail))
                     raise BackendError(
                         f"task {task.task_id!r}: building its Dockerfile failed "
                         f"(exit {done.returncode}): {step}\n{tail}{earlier_steps_note(earlier)}"

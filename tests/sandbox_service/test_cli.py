@@ -117,6 +117,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     "args,message",
     [
         (("check-tasks", "/no/such/pool"), "task directory not found: /no/such/pool"),
+        (("check-tasks", "sandbox_service/backends"), "no tasks under sandbox_service/backends"),
         (("check-tasks", "--workers", "0", "x"), "argument --workers: must be at least 1, got 0"),
         (("check-tasks", "--task-timeout", "-5", "."), "--task-timeout must be positive, got -5"),
         (("check-tasks", "--backend", "docker", "."), "argument --backend: invalid choice: 'docker'"),
