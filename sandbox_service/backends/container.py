@@ -146,9 +146,18 @@ def parse_exec_output(
                 timed_out=True,
                 duration_sec=duration_sec,
             )
-        raise BackendError(
-            "the exec wrapper ended without its trailer (is bash/coreutils missing in the image?); "
-            f"stderr: {output.stderr[-2000:].decode('utf-8', 'replace')}"
+        # The wrapper died before reporting: it could not fork (the sandbox at its pids limit, e.g.
+        # a fork bomb still running), was OOM-killed, or the image lacks bash/coreutils. The command
+        # failed; the trial goes on, as a shell prompt would after "fork: retry".
+        transport = output.stderr[-2000:].decode("utf-8", "replace").strip()
+        return ExecResult(
+            stdout=output.stdout.decode("utf-8", "replace"),
+            stderr="[t1jax] the command's wrapper ended without reporting its result (the sandbox "
+            "may be out of processes or memory, or the image lacks bash/coreutils)"
+            + (f": {transport}" if transport else ""),
+            exit_code=None,
+            timed_out=False,
+            duration_sec=duration_sec,
         )
     fields = output.stdout[position + len(marker) :].split(b"\n", 1)[0].split()
     rc, timed, stdout_size, stderr_size = (int(value) for value in fields)
