@@ -6,8 +6,6 @@ PY := $(VENV)/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup test test-slow bench lint setup-tpu test-tpu-contract
-
 # The TPU environment: vllm-tpu 0.32 (tpu-inference, jax 0.11.2, torch) and pathwaysutils need
 # Python 3.12, so they live in a second venv that the default suite never touches: 11 GB (torch
 # with CUDA libraries comes with vllm-tpu), about 5 minutes on 2 cores. Built under `nice`.
@@ -17,17 +15,47 @@ TPU_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.1
 TPU_VENV ?= .venv-tpu
 TPU_PY := $(TPU_VENV)/bin/python
 
-setup:
+# What the sandboxes need from the host (Debian 12): bubblewrap and util-linux for the local backend,
+# podman + runc for the container backend, mmdebstrap to build stand-in base images, tmux, CA certs.
+SYSTEM_PACKAGES := bubblewrap util-linux tmux podman runc mmdebstrap ca-certificates python3-venv
+# The base images the default test suite's tasks name; their stand-ins are built (mmdebstrap, ~1 min
+# each) into ~/.cache/t1jax/stand-ins and imported into podman. `make setup-containers` adds those
+# of the fidelity corpus (tests/data/fidelity_tasks).
+DEFAULT_STAND_INS := python:3.11-slim debian:bookworm python:3.12-slim-bookworm \
+	ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624
+CORPUS_STAND_INS := golang:1.24-bookworm eclipse-temurin:21-jdk gcc:14
+
+.PHONY: setup setup-system setup-containers test test-slow test-containers bench lint setup-tpu \
+	test-tpu-contract
+
+setup: setup-system
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -e ".[ref,k8s,modal,dev]"
 	$(PY) -m sandbox_service.verifier --setup
+	$(PY) -m sandbox_service stand-ins --import $(DEFAULT_STAND_INS)
+
+# System packages (as root, with apt); installs only what is missing.
+setup-system:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "apt-get install $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+# After `make setup`: the stand-ins the fidelity corpus needs too.
+setup-containers:
+	$(PY) -m sandbox_service stand-ins --import $(DEFAULT_STAND_INS) $(CORPUS_STAND_INS)
 
 test:
 	$(PY) -m pytest -m "not slow" -n $(PYTEST_WORKERS) -q
 
 test-slow:
 	$(PY) -m pytest -m "slow" -q
+
+# The fidelity corpus through check-tasks on the local and the container backend.
+test-containers: setup-containers
+	$(PY) -m pytest -m containers -n $(PYTEST_WORKERS) -q tests/sandbox/test_fidelity_corpus.py
 
 bench:
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

@@ -1,12 +1,17 @@
-"""Command line of the sandbox service: `python -m sandbox_service {serve,check-tasks,reap,leak-check}`.
+"""Command line of the sandbox service: `python -m sandbox_service {serve,check-tasks,reap,...}`.
 
 This module owns turning flags into a backend, an admission policy and a running server; it holds
 no logic of its own beyond that wiring.
 
     serve        run the HTTP service (until SIGINT/SIGTERM, which closes every sandbox)
-    check-tasks  run each task's reference solution and verifier; report tasks that do not pass
+    check-tasks  run each task's reference solution and verifier; say per task which backend ran
+                 it on what image, and which tasks are unsound or skipped, and why
     reap         kill every sandbox a backend still has for a run (after a crash)
     leak-check   ask a running service to reclaim and report what a run left behind
+    stand-ins    build (or list) the stand-in base images for images no registry serves here
+
+Bad input (a missing directory, an unknown flag value, a backend that cannot start) gets one line
+naming the problem on stderr and exit status 2, never a traceback; `--debug` shows the traceback.
 """
 
 from __future__ import annotations
@@ -14,16 +19,24 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from sandbox_service.admission import AdmissionConfig, AdmissionController
-from sandbox_service.contracts import SandboxProvider, TaskLimits
+from sandbox_service.argparsing import EXIT_BAD_INPUT, OneLineArgumentParser, one_line
+from sandbox_service.contracts import SandboxError, SandboxProvider, TaskLimits
 
 DEFAULT_CACHE_DIR = Path(".cache") / "sandbox_service"  # the local backend's default, too
 
-BACKENDS = ("local", "kubernetes", "modal")
+BACKENDS = ("local", "container", "kubernetes", "modal")
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """Bad input from the command line: reported as one line, exit status 2."""
 
 
 def _rate(text: str) -> float | None:
@@ -43,18 +56,25 @@ def add_backend_flags(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="the pinned verifier toolchain (python -m sandbox_service.verifier --setup); "
-        "default: <cache-dir>/verifier-toolchain",
+        "default: <cache-dir>/verifier-toolchain-v2",
     )
     group.add_argument(
         "--cache-dir",
         type=Path,
         default=DEFAULT_CACHE_DIR,
-        help="local: built environments and sandbox state (reap finds leftovers here)",
+        help="built environments, stand-in base images and sandbox state (reap finds leftovers here)",
     )
     group.add_argument(
         "--allow-internet",
         action="store_true",
-        help="local: let tasks that allow internet reach it (default: every sandbox is offline)",
+        help="local, container: let tasks that allow internet reach it (default: every sandbox is offline)",
+    )
+    group.add_argument(
+        "--pull",
+        choices=("auto", "never", "always"),
+        default="auto",
+        help="container: base images: a local copy, else a pull, else a stand-in (auto); "
+        "never pull; pull first",
     )
     group.add_argument(
         "--namespace", default="t1jax-sandboxes", help="kubernetes: namespace of the sandbox Pods"
@@ -71,7 +91,20 @@ def add_backend_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_backend(args: argparse.Namespace) -> SandboxProvider:
-    toolchain_dir = args.toolchain_dir or args.cache_dir / "verifier-toolchain"
+    from sandbox_service.verifier import DEFAULT_TOOLCHAIN_SUBDIR
+
+    toolchain_dir = args.toolchain_dir or args.cache_dir / DEFAULT_TOOLCHAIN_SUBDIR
+    if args.backend == "container":
+        from sandbox_service.backends.podman import PodmanBackend, PodmanConfig
+
+        return PodmanBackend(
+            PodmanConfig(
+                cache_dir=args.cache_dir,
+                toolchain_dir=toolchain_dir,
+                allow_internet=args.allow_internet,
+                pull=args.pull,
+            )
+        )
     if args.backend == "kubernetes":
         from sandbox_service.backends.kubernetes import KubernetesBackend, KubernetesConfig
 
@@ -92,6 +125,16 @@ def build_backend(args: argparse.Namespace) -> SandboxProvider:
     return LocalBackend(
         cache_dir=args.cache_dir, toolchain_dir=toolchain_dir, allow_internet=args.allow_internet
     )
+
+
+def require_toolchain(args: argparse.Namespace) -> None:
+    """Fail before any work if the pinned verifier toolchain the backend will mount is missing."""
+    from sandbox_service.verifier import DEFAULT_TOOLCHAIN_SUBDIR, Toolchain, ToolchainMissing
+
+    try:
+        Toolchain.at(args.toolchain_dir or args.cache_dir / DEFAULT_TOOLCHAIN_SUBDIR)
+    except ToolchainMissing as error:
+        raise UsageError(str(error)) from None
 
 
 def admission_config(args: argparse.Namespace) -> AdmissionConfig:
@@ -124,32 +167,70 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_check_tasks(args: argparse.Namespace) -> int:
     from sandbox_service.check_tasks import all_sound, check_tasks
+    from sandbox_service.tasks import find_task_dirs
 
+    if not args.tasks_dir.is_dir():
+        raise UsageError(f"task directory not found: {args.tasks_dir}")
+    if args.task_timeout is not None and args.task_timeout <= 0:
+        raise UsageError(f"--task-timeout must be positive, got {args.task_timeout:g}")
+    if not find_task_dirs(args.tasks_dir):
+        raise UsageError(
+            f"no tasks under {args.tasks_dir} (a task directory holds task.toml, instruction.md, "
+            "task.yaml or run-tests.sh; symlinked directories are not followed)"
+        )
     backend = None
     if args.url:
         from sandbox_service.client import SandboxServiceClient
 
         provider: SandboxProvider = SandboxServiceClient(args.url)
+        name = f"service at {args.url}"
     else:
+        require_toolchain(args)
         backend = build_backend(args)
         provider = AdmissionController(backend, AdmissionConfig(create_rate_per_sec=None))
+        name = args.backend
+    run_id = args.run_id or f"check-tasks-{os.getpid()}"
+    audits = []
+    interrupted = False
     try:
         audits = check_tasks(
             args.tasks_dir,
             provider,
+            run_id=run_id,
             max_workers=args.workers,
             on_audit=lambda audit: print(audit.line(), flush=True),
+            task_timeout_sec=args.task_timeout,
+            backend_name=name,
+        )
+    except KeyboardInterrupt:
+        interrupted = True
+        print(
+            "interrupted: cancelling the run's trials and reaping its sandboxes", file=sys.stderr, flush=True
         )
     finally:
         if isinstance(provider, AdmissionController):
             provider.shutdown()
         else:
             provider.close()  # type: ignore[attr-defined]
-        close_backend = getattr(backend, "close", None)
-        if close_backend is not None:
-            close_backend()
+        if backend is not None:
+            reap = getattr(backend, "reap", None)
+            if reap is not None:
+                reap(run_id)
+            close_backend = getattr(backend, "close", None)
+            if close_backend is not None:
+                close_backend()
+    if interrupted:
+        return EXIT_INTERRUPTED
+    if args.json is not None:
+        args.json.write_text(json.dumps([audit.to_json() for audit in audits], indent=1))
     sound = sum(audit.sound for audit in audits)
-    print(f"{sound}/{len(audits)} tasks sound (solution passes every assertion, no-op fails one)", flush=True)
+    skipped = sum(audit.skipped for audit in audits)
+    judged = len(audits) - skipped
+    print(
+        f"{sound}/{judged} tasks sound on {name} (solution passes every assertion, no-op fails one)"
+        + (f"; {skipped} skipped" if skipped else ""),
+        flush=True,
+    )
     return 0 if all_sound(audits) else 1
 
 
@@ -184,10 +265,56 @@ def cmd_leak_check(args: argparse.Namespace) -> int:
     return 1 if report.remaining else 0
 
 
+DEFAULT_STAND_IN_IMAGES = ("python:3.11-slim", "debian:bookworm")
+
+
+def cmd_stand_ins(args: argparse.Namespace) -> int:
+    from sandbox_service.base_images import StandInStore, UnsupportedImage, stand_in_for
+
+    store = StandInStore(args.stand_in_dir)
+    backend = None
+    failed = 0
+    for image in args.images or DEFAULT_STAND_IN_IMAGES:
+        try:
+            recipe, substitution = stand_in_for(image)
+        except UnsupportedImage as error:
+            print(f"{image}: unsupported: {error.reason}", flush=True)
+            failed += 1
+            continue
+        if args.list:
+            print(substitution.describe(), flush=True)
+            continue
+        started = time.monotonic()
+        built = store.build(recipe, log=lambda text: print(text, flush=True))
+        if args.import_into_podman:
+            if backend is None:
+                from sandbox_service.backends.podman import PodmanBackend, PodmanConfig
+
+                backend = PodmanBackend(
+                    PodmanConfig(cache_dir=args.cache_dir, stand_in_dir=args.stand_in_dir, pull="never")
+                )
+            backend.resolve_base(image)
+        print(
+            f"{image}: {recipe.image_tag} ready ({built.tarball.name}, {time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
+    if backend is not None:
+        backend.close()
+    return 1 if failed else 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="python -m sandbox_service", description=__doc__.split("\n\n")[0])
+    root = OneLineArgumentParser(prog="python -m sandbox_service", description=__doc__.split("\n\n")[0])
     root.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    commands = root.add_subparsers(dest="command", required=True)
+    root.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    commands = root.add_subparsers(dest="command", required=True, parser_class=OneLineArgumentParser)
 
     serve = commands.add_parser("serve", help="run the HTTP service")
     add_backend_flags(serve)
@@ -225,7 +352,19 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--url", default=None, help="use a running service instead of a backend in this process"
     )
-    check.add_argument("--workers", type=int, default=2, help="tasks audited at once")
+    check.add_argument("--workers", type=_positive_int, default=2, help="tasks audited at once")
+    check.add_argument(
+        "--task-timeout",
+        type=float,
+        default=None,
+        help="cap (s) on each trial's agent, verifier and total time",
+    )
+    check.add_argument(
+        "--json", type=Path, default=None, help="also write every audit (with verifier output) here"
+    )
+    check.add_argument(
+        "--run-id", default=None, help="run label of the audit's sandboxes (default: per process)"
+    )
     check.set_defaults(run=cmd_check_tasks)
 
     reap = commands.add_parser("reap", help="kill every sandbox of a run left on a backend")
@@ -238,6 +377,23 @@ def parser() -> argparse.ArgumentParser:
     leak.add_argument("--run-id", required=True)
     leak.add_argument("--cancel-open", action="store_true", help="also cancel the run's open trials first")
     leak.set_defaults(run=cmd_leak_check)
+
+    stand_ins = commands.add_parser("stand-ins", help="build or list stand-in base images")
+    stand_ins.add_argument("images", nargs="*", help="image references (default: the default suite's)")
+    stand_ins.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    stand_ins.add_argument(
+        "--stand-in-dir", type=Path, default=None, help="default: ~/.cache/t1jax/stand-ins"
+    )
+    stand_ins.add_argument(
+        "--list", action="store_true", help="print what stands in for each image; build nothing"
+    )
+    stand_ins.add_argument(
+        "--import",
+        dest="import_into_podman",
+        action="store_true",
+        help="also import them into podman (what the container backend runs)",
+    )
+    stand_ins.set_defaults(run=cmd_stand_ins)
     return root
 
 
@@ -246,7 +402,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (UsageError, SandboxError, OSError, ValueError) as error:
+        if args.debug:
+            raise
+        print(f"python -m sandbox_service {args.command}: {one_line(error)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from sandbox_service.contracts import (
+    EnvironmentAudit,
     ExecResult,
     FailureCause,
     Sandbox,
@@ -66,6 +67,7 @@ from sandbox_service.errors import (
     UnknownSandbox,
     translate,
 )
+from sandbox_service.fidelity import environment_audit
 
 log = logging.getLogger(__name__)
 
@@ -509,6 +511,10 @@ class AdmissionController:
             self._finish_close(trial)
             raise _closed_error(trial, "create")
         return AdmittedSandbox(self, trial, task)
+
+    def environment_audit(self, task: Task) -> EnvironmentAudit:
+        """How the backend behind this controller will run `task` (`fidelity.environment_audit`)."""
+        return environment_audit(task, self.backend)
 
     def _admit(self, trial: _Trial, timeout: float | None) -> None:
         if timeout is None:

@@ -1,34 +1,52 @@
-"""Reference-solution audit of a task pool: is each task's verifier sound?
+"""Reference-solution audit of a task pool: is each task's verifier sound, on which backend?
 
 This module owns `check_tasks(directory, provider)`, which `python -m sandbox_service check-tasks
-DIR` prints, one line per task. For every task it runs, each in a fresh sandbox of `provider`:
-1. the reference solution (Harbor `solution/`, TB 1.x `solution.sh`), then the verifier;
+DIR` prints, one line per task. For every task it first asks how `provider` will run it
+(`fidelity.environment_audit`: the backend, the image, every stand-in base image, or why the task
+is skipped), then runs, each in a fresh sandbox of `provider`:
+1. the reference solution (`solution.solution_commands`: Harbor `solution/` as /solution, TB 1.x
+   `solution.sh`), then the verifier;
 2. nothing at all (the agent did nothing), then the verifier.
-A task is sound when the solution passes every assertion and the no-op fails at least one. Without
-a per-assertion report the verifier's binary outcome decides. Tasks that fail to load, cannot be
-built, have no reference solution or whose sandbox fails are unsound, with the reason.
+A task is sound when the solution passes every assertion and the no-op fails at least one (a
+no-op whose verifier times out has failed: it did not pass). Without a per-assertion report the
+verifier's binary outcome decides. Tasks that fail to load, cannot be built, have no reference
+solution or whose sandbox fails are unsound, with the reason. Tasks in a format no backend runs
+(multi-step, multi-container), tasks the backend skips (unsupported image, needs internet, GPU)
+and tasks whose image build failed on a host name this machine cannot resolve
+(`fidelity.build_failure_skip`) are *skipped*, with the reason: they are neither sound nor unsound
+here.
 
 Invariants:
 - One `TaskAudit` per task directory found (loaded or not), in path order.
-- Every sandbox it creates is closed, whatever happens.
+- Every sandbox it creates is closed, whatever happens; on KeyboardInterrupt it cancels the run's
+  trials (when the provider can), waits for its workers, and re-raises.
+- Every audit of a task that ran names the backend and carries its `EnvironmentAudit` and the tail
+  of each verifier's output.
 """
 
 from __future__ import annotations
 
-import base64
-import io
-import shlex
-import tarfile
+import dataclasses
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandbox_service.contracts import SandboxError, SandboxProvider, Task, TaskLayout, VerifierReport
-from sandbox_service.tasks import load_dataset
+from sandbox_service.contracts import (
+    EnvironmentAudit,
+    FailureCause,
+    SandboxError,
+    SandboxProvider,
+    Task,
+    TaskLimits,
+    VerifierReport,
+)
+from sandbox_service.fidelity import build_failure_skip, environment_audit
+from sandbox_service.solution import solution_commands
+from sandbox_service.tasks import UnsupportedTaskFormat, load_dataset
 
-UPLOAD_CHUNK = 64 * 1024  # below the kernel's per-argument limit (128 KiB)
-SOLUTION_ARCHIVE = "/tmp/.t1jax-solution.tgz.b64"
+CHUNK_TIMEOUT_SEC = 60.0  # one solution upload line
 
 
 @dataclass(frozen=True)
@@ -41,6 +59,7 @@ class TrialOutcome:
     binary_outcome: bool | None
     failure_cause: str
     detail: str = ""
+    output_tail: str = ""  # the verifier's console output (its last bytes)
 
     @classmethod
     def of(cls, report: VerifierReport) -> TrialOutcome:
@@ -51,6 +70,7 @@ class TrialOutcome:
             report.binary_outcome,
             report.failure_cause.value,
             report.detail,
+            report.output_tail,
         )
 
     @property
@@ -63,7 +83,7 @@ class TrialOutcome:
     def fails_some(self) -> bool:
         if self.parsed:
             return self.passed < self.total
-        return self.binary_outcome is False
+        return self.binary_outcome is False or self.failure_cause == FailureCause.VERIFIER_TIMEOUT.value
 
     def score(self) -> str:
         if self.parsed:
@@ -74,7 +94,10 @@ class TrialOutcome:
 
 @dataclass(frozen=True)
 class TaskAudit:
-    """The audit of one task. `reason` explains an unsound verdict ('' when sound)."""
+    """The audit of one task. `reason` explains an unsound or skipped verdict ('' when sound).
+    `skipped` tasks were not judged (`sound` is False for them too); `environment` says how the
+    backend ran (or would have run) the task; `solution_run` is the tail of the solution's own
+    output."""
 
     task_id: str
     source_dir: Path
@@ -82,17 +105,51 @@ class TaskAudit:
     solution: TrialOutcome | None
     noop: TrialOutcome | None
     reason: str = ""
+    backend: str = ""
+    skipped: bool = False
+    environment: EnvironmentAudit | None = None
+    solution_run: str = ""
+    seconds: float = 0.0
+
+    @property
+    def verdict(self) -> str:
+        return "skipped" if self.skipped else "sound" if self.sound else "unsound"
 
     def line(self) -> str:
         return format_audit_line(self)
 
+    def to_json(self) -> dict:
+        return {
+            "task_id": self.task_id,
+            "source_dir": str(self.source_dir),
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "backend": self.backend,
+            "environment": self.environment.to_json() if self.environment else None,
+            "solution": dataclasses.asdict(self.solution) if self.solution else None,
+            "noop": dataclasses.asdict(self.noop) if self.noop else None,
+            "solution_run": self.solution_run,
+            "seconds": round(self.seconds, 1),
+        }
+
 
 def format_audit_line(audit: TaskAudit) -> str:
-    """`<task id> sound|unsound solution <passed>/<total> noop <passed>/<total>[ (<reason>)]`."""
+    """`<task id> sound|unsound solution <s> noop <n>[ on <backend>[, stand-in <recipe> for <image>...]]
+    [ (<reason>)]`, or `<task id> skipped[ on <backend>] (<reason>)`."""
+    where = f" on {audit.backend}" if audit.backend else ""
+    reason = " ".join(audit.reason.split())  # one line per task, whatever the error text looked like
+    if audit.skipped:
+        return f"{audit.task_id} skipped{where} ({reason})"
     solution = audit.solution.score() if audit.solution else "-"
     noop = audit.noop.score() if audit.noop else "-"
-    line = f"{audit.task_id} {'sound' if audit.sound else 'unsound'} solution {solution} noop {noop}"
-    return f"{line} ({audit.reason})" if audit.reason else line
+    line = f"{audit.task_id} {audit.verdict} solution {solution} noop {noop}{where}"
+    if audit.environment is not None and audit.environment.substitutions:
+        swaps = ", ".join(
+            f"{s.used.rsplit('/', 1)[-1].split(':')[0]} for {s.requested}"
+            for s in audit.environment.substitutions
+        )
+        line += f", stand-in {swaps}"
+    return f"{line} ({reason})" if reason else line
 
 
 def check_tasks(
@@ -102,44 +159,116 @@ def check_tasks(
     run_id: str = "check-tasks",
     max_workers: int = 2,
     on_audit: Callable[[TaskAudit], None] | None = None,
+    task_timeout_sec: float | None = None,
+    backend_name: str | None = None,
 ) -> list[TaskAudit]:
-    """Audit every task under `directory` with sandboxes from `provider` (see the module docstring)."""
+    """Audit every task under `directory` with sandboxes from `provider` (see the module docstring).
+
+    `task_timeout_sec` caps each trial's agent, verifier and total deadlines."""
     dataset = load_dataset(directory)
+    name = (
+        backend_name
+        or getattr(provider, "name", "")
+        or getattr(getattr(provider, "backend", None), "name", "")
+    )
     audits: dict[Path, TaskAudit] = {}
     for error in dataset.errors:
         task_dir = _task_dir_of(error.path, dataset.root)
-        audit = TaskAudit(
-            task_dir.name, task_dir, False, None, None, f"does not load: {error.field}: {error.message}"
-        )
+        if isinstance(error, UnsupportedTaskFormat):
+            reason = f"{error.skip_reason.value}: {error.message}"
+            audit = TaskAudit(task_dir.name, task_dir, False, None, None, reason, name, skipped=True)
+        else:
+            reason = f"does not load: {error.field}: {error.message}"
+            audit = TaskAudit(task_dir.name, task_dir, False, None, None, reason, name)
         audits[task_dir] = audit
         if on_audit:
             on_audit(audit)
 
     def audit_one(task: Task) -> TaskAudit:
-        audit = audit_task(task, provider, run_id=run_id)
+        audit = audit_task(
+            task, provider, run_id=run_id, task_timeout_sec=task_timeout_sec, backend_name=name
+        )
         if on_audit:
             on_audit(audit)
         return audit
 
-    with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
-        for task, audit in zip(dataset.tasks, pool.map(audit_one, dataset.tasks), strict=True):
-            audits[task.source_dir] = audit
+    pool = ThreadPoolExecutor(max_workers=max(1, max_workers), thread_name_prefix="check-tasks")
+    futures = {pool.submit(audit_one, task): task for task in dataset.tasks}
+    try:
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            for future in done:
+                audits[futures[future].source_dir] = future.result()
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        cancel_run = getattr(provider, "cancel_run", None)
+        if cancel_run is not None:
+            cancel_run(run_id)  # interrupts running trials: their sandboxes close under them
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     return [audits[path] for path in sorted(audits)]
 
 
 def all_sound(audits: Sequence[TaskAudit]) -> bool:
-    return bool(audits) and all(audit.sound for audit in audits)
+    """Every task that was judged is sound (skipped tasks do not count), and at least one was."""
+    judged = [audit for audit in audits if not audit.skipped]
+    return bool(judged) and all(audit.sound for audit in judged)
 
 
-def audit_task(task: Task, provider: SandboxProvider, *, run_id: str = "check-tasks") -> TaskAudit:
+def capped_limits(limits: TaskLimits, cap_sec: float | None) -> TaskLimits:
+    if cap_sec is None:
+        return limits
+    return TaskLimits(
+        agent_timeout_sec=min(limits.agent_timeout_sec, cap_sec),
+        verifier_timeout_sec=min(limits.verifier_timeout_sec, cap_sec),
+        total_timeout_sec=min(limits.total_timeout_sec, 2 * cap_sec + 60),
+    )
+
+
+def audit_task(
+    task: Task,
+    provider: SandboxProvider,
+    *,
+    run_id: str = "check-tasks",
+    task_timeout_sec: float | None = None,
+    backend_name: str = "",
+) -> TaskAudit:
     """Run `task`'s reference solution and its no-op, each followed by the verifier."""
-    if task.solution_script is None:
-        return TaskAudit(task.task_id, task.source_dir, False, None, None, "no reference solution")
+    started = time.monotonic()
+    name = backend_name or getattr(provider, "name", "")
     try:
-        solution, solution_note = _run_trial(task, provider, run_id, with_solution=True)
-        noop, _ = _run_trial(task, provider, run_id, with_solution=False)
+        environment = environment_audit(task, provider)
+    except (SandboxError, OSError, ValueError) as error:
+        return TaskAudit(task.task_id, task.source_dir, False, None, None, f"sandbox failed: {error}", name)
+    name = environment.backend or name
+    base = dict(backend=name, environment=environment)
+    if not environment.runnable:
+        reason = f"{environment.skip_reason.value}: {environment.detail}"
+        return TaskAudit(task.task_id, task.source_dir, False, None, None, reason, skipped=True, **base)
+    if task.solution_script is None:
+        return TaskAudit(task.task_id, task.source_dir, False, None, None, "no reference solution", **base)
+    task = dataclasses.replace(task, limits=capped_limits(task.limits, task_timeout_sec))
+    try:
+        solution, solution_note, solution_run = _run_trial(task, provider, run_id, with_solution=True)
+        noop, _, _ = _run_trial(task, provider, run_id, with_solution=False)
     except (SandboxError, OSError) as error:
-        return TaskAudit(task.task_id, task.source_dir, False, None, None, f"sandbox failed: {error}")
+        skip = build_failure_skip(error)
+        if skip is not None:  # the audit's environment says it too, for readers of the JSON
+            base["environment"] = dataclasses.replace(environment, skip_reason=skip[0], detail=skip[1])
+        return TaskAudit(
+            task.task_id,
+            task.source_dir,
+            False,
+            None,
+            None,
+            f"{skip[0].value}: {skip[1]}" if skip else f"sandbox failed: {error}",
+            **base,
+            skipped=skip is not None,
+            seconds=time.monotonic() - started,
+        )
     problems = []
     if not solution.passes_all:
         problems.append(f"reference solution does not pass all ({solution_note or solution.detail})")
@@ -147,66 +276,44 @@ def audit_task(task: Task, provider: SandboxProvider, *, run_id: str = "check-ta
         problems.append(
             "doing nothing already passes" if noop.passes_all else f"no-op outcome unknown ({noop.detail})"
         )
-    return TaskAudit(task.task_id, task.source_dir, not problems, solution, noop, "; ".join(problems))
+    return TaskAudit(
+        task.task_id,
+        task.source_dir,
+        not problems,
+        solution,
+        noop,
+        "; ".join(problems),
+        **base,
+        solution_run=solution_run,
+        seconds=time.monotonic() - started,
+    )
 
 
-def _run_trial(
-    task: Task, provider: SandboxProvider, run_id: str, *, with_solution: bool
-) -> tuple[TrialOutcome, str]:
+def _run_trial(task: Task, provider: SandboxProvider, run_id: str, *, with_solution: bool) -> tuple[
+    TrialOutcome, str, str
+]:  # fmt: skip
     sandbox = provider.create(task, run_id=run_id)
-    note = ""
+    note = output = ""
     try:
         if with_solution:
-            result = _run_solution(task, sandbox)
+            result = run_solution(task, sandbox)
+            output = (result.stdout + result.stderr)[-4000:]
             if result.timed_out or result.exit_code != 0:
                 why = "timed out" if result.timed_out else f"exited {result.exit_code}"
                 note = f"solution {why}: {(result.stderr or result.stdout).strip()[-300:]}"
-        return TrialOutcome.of(sandbox.verify()), note
+        return TrialOutcome.of(sandbox.verify()), note, output
     finally:
         sandbox.close()
 
 
-def solution_commands(task: Task, *, max_line: int = UPLOAD_CHUNK) -> list[str]:
-    """Shell command lines that, run one after another in the task's workdir (through `exec`, or
-    typed into its terminal), unpack the task's reference solution where the task expects it
-    (Harbor: `/solution`; where the root is read-only, `/tmp/solution`) and run its entry
-    script. Every line holds at most about `max_line` characters of payload, so a terminal can
-    take it. The last line runs the solution; the lines before it only upload."""
-    if task.solution_script is None:
-        raise ValueError(f"task {task.task_id} has no reference solution")
-    if task.layout == TaskLayout.HARBOR:
-        source, entry = task.solution_script.parent, task.solution_script.name
-    else:
-        source, entry = task.solution_script, task.solution_script.name
-    encoded = base64.b64encode(_tar_gz(source)).decode()
-    lines = [f"rm -f {SOLUTION_ARCHIVE}"]
-    for start in range(0, len(encoded), max_line):
-        lines.append(f"printf %s {encoded[start : start + max_line]} >> {SOLUTION_ARCHIVE}")
-    lines.append(
-        "d=/solution; { mkdir -p $d && test -w $d; } 2>/dev/null || d=/tmp/solution; mkdir -p $d; "
-        f"base64 -d {SOLUTION_ARCHIVE} | tar -xzf - -C $d && rm -f {SOLUTION_ARCHIVE} && "
-        f"bash $d/{shlex.quote(entry)}"
-    )
-    return lines
-
-
-def _run_solution(task: Task, sandbox):
-    """Upload the solution through `exec` (works with any backend) and run it in the workdir."""
+def run_solution(task: Task, sandbox):
+    """Type `solution_commands(task)` into `sandbox` through `exec`; the last command's result."""
     *upload, run = solution_commands(task)
     for line in upload:
-        sandbox.exec(line, 30)
+        result = sandbox.exec(line, CHUNK_TIMEOUT_SEC)
+        if result.exit_code != 0:
+            return result
     return sandbox.exec(run, task.limits.agent_timeout_sec)
-
-
-def _tar_gz(source: Path) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        if source.is_dir():
-            for path in sorted(source.rglob("*")):
-                archive.add(path, arcname=str(path.relative_to(source)), recursive=False)
-        else:
-            archive.add(source, arcname=source.name)
-    return buffer.getvalue()
 
 
 def _task_dir_of(path: Path, root: Path) -> Path:

@@ -25,7 +25,14 @@ import httpx
 
 from sandbox_service import wire
 from sandbox_service.admission import LeakReport
-from sandbox_service.contracts import ExecResult, Task, TaskLimits, TerminalRead, VerifierReport
+from sandbox_service.contracts import (
+    EnvironmentAudit,
+    ExecResult,
+    Task,
+    TaskLimits,
+    TerminalRead,
+    VerifierReport,
+)
 from sandbox_service.errors import (
     SandboxServiceError,
     ServiceUnavailable,
@@ -169,6 +176,23 @@ class SandboxServiceClient:
             raise
         return RemoteSandbox(self, task, reply)
 
+    def environment_audit(self, task: Task) -> EnvironmentAudit:
+        """How the service's backend will run `task` (`fidelity.environment_audit`, asked remotely)."""
+        digest = self._digest(task.source_dir)
+        with self._lock:
+            known = digest in self._uploaded
+        if not known:
+            self._upload(digest, task.source_dir)
+        body = {"task_digest": digest, "task": wire.task_to_json(task)}
+        try:
+            reply = self._request("POST", "/environment-audit", json=body)
+        except UnknownTaskUpload:
+            with self._lock:
+                self._uploaded.discard(digest)
+            self._upload(digest, task.source_dir)
+            reply = self._request("POST", "/environment-audit", json=body)
+        return EnvironmentAudit.from_json(reply)
+
     def _cancel_quietly(self, trial_id: str) -> None:
         try:
             self.cancel(trial_id)
@@ -188,6 +212,10 @@ class SandboxServiceClient:
         """Cancel every open trial of the run, then leak-check it. Returns (cancelled, report)."""
         reply = self._request("DELETE", f"/runs/{run_id}", timeout_sec=300.0)
         return list(reply["cancelled"]), _leak_report(reply)
+
+    def cancel_run(self, run_id: str) -> list[str]:
+        """Cancel every open trial of the run (what `AdmissionController.cancel_run` does, remotely)."""
+        return self.reclaim_run(run_id)[0]
 
     def trials(self, run_id: str | None = None) -> list[dict[str, Any]]:
         params = {} if run_id is None else {"run_id": run_id}

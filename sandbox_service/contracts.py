@@ -2,8 +2,9 @@
 
 This module owns the types that cross the boundary between the sandbox service and its callers
 (the t1jax controller and harness). Everything here is backend-neutral: the local bubblewrap
-backend, the Kubernetes backend and the Modal backend all produce the same `ExecResult` and
-`VerifierReport`, so the caller cannot tell which backend served it.
+backend, the container (podman) backend, the Kubernetes backend and the Modal backend all produce
+the same `ExecResult` and `VerifierReport`, so the caller cannot tell which backend served it;
+`EnvironmentAudit` says, per task and backend, what environment that was.
 
 Invariants:
 - A `Task` that exists has passed load-time validation: its instruction is non-empty, its tests
@@ -65,6 +66,9 @@ class EnvironmentSpec:
     storage_mb: int = 10240
     allow_internet: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
+    # Where `workdir` came from: "task.toml", "Dockerfile" (its last WORKDIR) or "default" (/app).
+    workdir_from: str = "default"
+    gpus: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,9 @@ class Task:
     tags: tuple[str, ...] = ()
     parser_name: str = "pytest"
     limits: TaskLimits = field(default_factory=TaskLimits)
+    # Harbor [solution].env / [verifier].env: set for the reference solution / the verifier only.
+    solution_env: Mapping[str, str] = field(default_factory=dict)
+    verifier_env: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,7 @@ class VerifierReport:
     binary_outcome: bool | None
     reward_value: float | None = None  # Harbor reward.txt / reward.json value, if present
     detail: str = ""  # human-readable note on what went wrong, for logs
+    output_tail: str = ""  # the last bytes of the verifier's console output (for audits and logs)
 
     @property
     def passed(self) -> int:
@@ -159,6 +167,91 @@ class VerifierReport:
     @property
     def total(self) -> int:
         return len(self.assertions)
+
+
+class SkipReason(str, enum.Enum):
+    """Why a backend will not run a task (it is skipped, not judged)."""
+
+    UNSUPPORTED_IMAGE = "unsupported_image"  # a base image no registry serves and nothing stands in for
+    UNSUPPORTED_DOCKERFILE = "unsupported_dockerfile"  # an instruction this backend's builder lacks
+    NEEDS_INTERNET = "needs_internet"  # its solution downloads, and the backend gives it no network
+    UNREACHABLE_HOST = "unreachable_host"  # building its image fetches from a host this machine cannot reach
+    MULTI_CONTAINER = "multi_container"  # docker-compose with several services
+    MULTI_STEP = "multi_step"  # Harbor [[steps]]
+    NEEDS_GPU = "needs_gpu"
+
+
+@dataclass(frozen=True)
+class ImageSubstitution:
+    """A base image replaced by a locally built stand-in: `requested` is what the task names, `used`
+    what ran, `differences` how they differ, in words."""
+
+    requested: str
+    used: str
+    differences: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EnvironmentAudit:
+    """How one backend will run one task, known before any sandbox starts.
+
+    Invariant: `skip_reason` is None exactly when the backend can run the task; then `image` names
+    what runs and `substitutions` lists every base image that is not the one the task names (empty
+    means the environment is the task's own). A score earned with substitutions must be reported
+    with them (`faithful` is False).
+    """
+
+    task_id: str
+    backend: str
+    image: str | None
+    base_images: tuple[str, ...]
+    substitutions: tuple[ImageSubstitution, ...]
+    skip_reason: SkipReason | None = None
+    detail: str = ""
+
+    @property
+    def runnable(self) -> bool:
+        return self.skip_reason is None
+
+    @property
+    def faithful(self) -> bool:
+        return self.runnable and not self.substitutions
+
+    def describe(self) -> str:
+        if self.skip_reason is not None:
+            return f"skipped by {self.backend}: {self.skip_reason.value}: {self.detail}"
+        swaps = "; ".join(f"{s.requested} -> {s.used}" for s in self.substitutions)
+        return f"{self.backend}: {self.image}" + (f" (stand-ins: {swaps})" if swaps else "")
+
+    def to_json(self) -> dict:
+        return {
+            "task_id": self.task_id,
+            "backend": self.backend,
+            "image": self.image,
+            "base_images": list(self.base_images),
+            "substitutions": [
+                {"requested": s.requested, "used": s.used, "differences": list(s.differences)}
+                for s in self.substitutions
+            ],
+            "skip_reason": self.skip_reason.value if self.skip_reason else None,
+            "detail": self.detail,
+            "faithful": self.faithful,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> EnvironmentAudit:
+        return cls(
+            task_id=str(data["task_id"]),
+            backend=str(data["backend"]),
+            image=data.get("image"),
+            base_images=tuple(data.get("base_images") or ()),
+            substitutions=tuple(
+                ImageSubstitution(str(s["requested"]), str(s["used"]), tuple(s.get("differences") or ()))
+                for s in data.get("substitutions") or ()
+            ),
+            skip_reason=SkipReason(data["skip_reason"]) if data.get("skip_reason") else None,
+            detail=str(data.get("detail", "")),
+        )
 
 
 @runtime_checkable
@@ -183,8 +276,12 @@ class Sandbox(Protocol):
         ...
 
     def verify(self) -> VerifierReport:
-        """Kill everything the agent left running, copy in the task's tests, check them against
-        the task's checksums, run the verifier under its own deadline, and parse its report."""
+        """End the agent phase, make the task's tests visible to the verifier only (checked against
+        the task's checksums), run the verifier under its own deadline, and parse its report.
+        Processes the agent started (a service the task asked for) keep running until `close`,
+        on the local and container backends; the verifier reaches them over the sandbox's network
+        and sees its filesystem, but they cannot see the tests or the verifier's report directory.
+        (The Kubernetes and Modal backends still stop them first: see their module docstrings.)"""
         ...
 
     def close(self) -> None:

@@ -1,47 +1,49 @@
-"""Environment builder: a task's Dockerfile, interpreted without Docker over the host's root.
+"""Local environment builder: a task's Dockerfile, interpreted without a container engine, as cached
+overlay layers over a stand-in base root.
 
-This module owns parsing the Dockerfile subset a Debian host can stand in for, building it into an
-environment layer, and the content-hash cache of built layers.
+This module owns parsing the Dockerfile subset the local backend builds, building it into layers,
+and the content-addressed cache of layers and environments.
 
-The subset:
-- `FROM` a Debian, Ubuntu or python base (`debian`, `ubuntu`, `python`, `buildpack-deps`, or a
-  Terminal-Bench `ubuntu-*`/`debian-*`/`python-*` image); the host's own root stands in for it.
-  One stage only. Anything else (alpine, node, cuda, scratch...) is rejected.
-- `ARG` (defaults only), `ENV`, `WORKDIR`, `COPY`/`ADD` of files inside the build context (`ADD`
-  of a local tar archive extracts it; `--chmod` is applied, `--chown` is ignored because sandbox
-  files are owned by the sandbox's root anyway), `RUN` (shell or exec form).
-- `CMD`, `ENTRYPOINT`, `EXPOSE`, `LABEL`, `MAINTAINER` are accepted and ignored: both harnesses
-  replace the container's command with `sleep infinity`.
-- Everything else (`USER`, `VOLUME`, `SHELL`, `HEALTHCHECK`, `ONBUILD`, `STOPSIGNAL`, `COPY --from`,
-  `RUN --mount`, heredocs, `ADD <url>`) rejects the task with the instruction and line named.
+The base: every `FROM` image is replaced by its stand-in root (`base_images.stand_in_for`; built
+once with mmdebstrap), extracted with its uids shifted into the sandboxes' uid range
+(`SANDBOX_UID_BASE` + 0..65535), so that inside a sandbox's user namespace (uid k <-> host
+`SANDBOX_UID_BASE` + k) every file has its normal owner. The local backend always substitutes:
+its `EnvironmentAudit` names the stand-in and how it differs from the requested image.
 
-How a build runs: a holder process (see `backends/_holder.py`) opens a private mount namespace and
-mounts a writable overlay whose lower layer is the host root (stacked over a read-only overlay of
-`/`, so the layer directory never overlaps its own lower layer) and whose upper directory becomes
-the environment layer. `COPY` writes through that overlay; `RUN` executes in a bubblewrap sandbox
-whose `/` is the overlay, as root with Docker's default capability set minus `CAP_MKNOD`, in its
-own pid/ipc/uts namespaces, with the network only when the builder allows it. Paths every sandbox
-gets privately (the workdir, `/root`, `/tmp`, `/var/tmp`, `/logs`) and host top-level directories
-that sandboxes never see (`/home`, `/srv`, the repository...) are bound to fresh directories during
-the build; their contents become per-sandbox seeds and read-only overlays.
+The subset (one stage):
+- `FROM`, `ARG` (defaults), `ENV`, `WORKDIR` (any absolute path, `/` included), `USER`, `SHELL`,
+  `COPY`/`ADD` of files inside the build context (`--chown` and `--chmod` applied; `ADD` of a
+  local tar archive extracts it, keeping its owners), `RUN` in shell form, exec form (a JSON array;
+  text that is not valid JSON is shell form, as in Docker) or heredoc form (`RUN <<EOF`).
+- `ENTRYPOINT` is run as the sandbox's first process with `sh -c 'sleep infinity'` as its command
+  (what Harbor does); `CMD`, `EXPOSE`, `LABEL`, `MAINTAINER`, `VOLUME`, `HEALTHCHECK`,
+  `STOPSIGNAL` are accepted and have no effect.
+- Rejected, with the line named (the container backend builds them): multi-stage builds and
+  `COPY --from`, `ONBUILD`, `RUN --mount`/`--network`, heredocs in `COPY`/`ADD`, `ADD <url>`.
+
+How a build runs: each `RUN`, `COPY`/`ADD` and directory-creating `WORKDIR` is one layer. A step's
+layer is the upper directory of an overlay whose lower layers are the steps before it and the base
+root, mounted by a holder process (`backends/_holder.py`) in a private mount namespace. `COPY`
+writes through that overlay from the host (then owners are set in the shifted range); `RUN`
+executes in a bubblewrap sandbox whose `/` is the overlay, in a user namespace mapping the shifted
+range (root inside, Docker's default capability set), in its own pid/ipc/uts namespaces, with the
+network only when the builder allows it.
 
 Invariants:
-- A built environment is identified by the sha256 of the builder version, the host's os-release,
-  the parsed instructions, the content of every file they copy, and the build-network flag; the
-  same key always means the same layer, and a layer is published (renamed into place) only after
-  its build succeeded, so readers never see half a build.
-- Builds of one key are serialized across threads and processes (a lock file); a second caller
-  waits and reuses the first's result.
-- Built layers are never written after publication; sandboxes mount them read-only.
+- A layer is identified by the sha256 of the builder version, the base recipe, and every step up
+  to and including it (with the content of the files it copies); the same key always means the
+  same layer, so identical leading steps of different tasks share their layers. A layer and an
+  environment are published (renamed into place) only after their build succeeded.
+- Builds of one key are serialized across threads and processes (a lock file).
+- Built layers and base roots are never written after publication; sandboxes mount them read-only
+  as overlay lower layers.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
-import re
 import shlex
 import shutil
 import tarfile
@@ -49,52 +51,50 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from sandbox_service import dockerfile as lexer
 from sandbox_service.backends import _proc
 from sandbox_service.backends._proc import DEFAULT_PATH, HolderProcess, require_tool
-from sandbox_service.contracts import SandboxError, Task, UnsupportedEnvironment
-
-BUILDER_VERSION = "1"
-
-# Host top-level entries a sandbox sees (read-only); every other top-level entry of the host root
-# is masked (replaced by an empty directory, or by what the task's build put there).
-VISIBLE_TOP_LEVEL = frozenset(
-    {
-        "bin",
-        "sbin",
-        "lib",
-        "lib32",
-        "lib64",
-        "libx32",
-        "usr",
-        "etc",
-        "opt",
-        "var",
-        "proc",
-        "dev",
-        "sys",
-        "run",
-        "tmp",
-    }
+from sandbox_service.base_images import (
+    StandInRecipe,
+    StandInStore,
+    Substitution,
+    UnsupportedImage,
+    stand_in_for,
 )
-# Container paths every sandbox gets privately writable, seeded from the build.
-PRIVATE_DIRS = {"home": "/root", "tmp": "/tmp", "vartmp": "/var/tmp", "logs": "/logs"}
-IGNORED_INSTRUCTIONS = frozenset({"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER"})
-_BASE_REPOSITORIES = frozenset({"debian", "ubuntu", "python", "buildpack-deps"})
-_BASE_PREFIXES = ("debian-", "ubuntu-", "python-")
+from sandbox_service.contracts import SandboxError, Task, UnsupportedEnvironment
+from sandbox_service.fidelity import earlier_steps_note, unresolved_hosts
+from sandbox_service.host_trust import CA_MOUNT, host_ca_bundle, trust_env
+from sandbox_service.locks import file_lock
+
+BUILDER_VERSION = "2"
+SANDBOX_UID_BASE = 1_700_000_000  # host uid of uid 0 in every local sandbox's user namespace
+SANDBOX_UID_COUNT = 65536
+IGNORED_INSTRUCTIONS = frozenset(
+    {"CMD", "EXPOSE", "LABEL", "MAINTAINER", "VOLUME", "HEALTHCHECK", "STOPSIGNAL"}
+)
+DEFAULT_SHELL = ("/bin/sh", "-c")
 _ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
-# Docker's default capability set, minus CAP_MKNOD (a device node is a way out of any sandbox).
-BUILD_CAPABILITIES = (
-    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
-    "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SYS_CHROOT", "CAP_AUDIT_WRITE", "CAP_SETFCAP",
-)  # fmt: skip
-# How the host stands in for a base image: pip may install into the system Python as it can in the
-# official python images (Debian marks its Python externally managed), and python bases get the
-# `python` command those images have.
-STAND_IN_ENV = (("PIP_BREAK_SYSTEM_PACKAGES", "1"),)
-PYTHON_BASE_COMMANDS = (("python", "/usr/bin/python3"), ("pip", "/usr/bin/pip3"))
+# Docker's default capability set (what root in a container has).
+DOCKER_CAPABILITIES = (
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_RAW",
+    "CAP_SYS_CHROOT",
+    "CAP_MKNOD",
+    "CAP_AUDIT_WRITE",
+    "CAP_SETFCAP",
+)
+MAX_LOWER_CHARS = 3800  # overlayfs options must fit in one page
 
 
 class EnvironmentBuildError(SandboxError):
@@ -112,6 +112,7 @@ class CopyStep:
     destination: str  # absolute container path; a trailing '/' means "into this directory"
     chmod: int | None = None
     extract_archives: bool = False  # ADD semantics
+    chown: str | None = None  # "user[:group]" as written (resolved in the layer's /etc/passwd)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ class RunStep:
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     workdir: str
+    user: str = ""
 
 
 @dataclass(frozen=True)
@@ -133,84 +135,54 @@ Step = CopyStep | RunStep | WorkdirStep
 
 @dataclass(frozen=True)
 class BuildPlan:
-    """What a Dockerfile asks for, validated against the subset. `env` and `workdir` are final."""
+    """What a Dockerfile asks for, validated against the subset. `env`, `workdir`, `user` and
+    `entrypoint` are the final image config (`env` includes the base image's)."""
 
     base_image: str
     steps: tuple[Step, ...]
     env: tuple[tuple[str, str], ...]
     workdir: str
     dockerfile: Path | None = None
+    user: str = ""
+    entrypoint: tuple[str, ...] = ()
 
-    def describe(self) -> list:
-        """A JSON-able description; hashed (with copied file contents) into the cache key."""
-        out: list = [["FROM", self.base_image], ["ENV", list(self.env)], ["WORKDIR", self.workdir]]
-        for step in self.steps:
-            if isinstance(step, CopyStep):
-                out.append(
-                    [
-                        "COPY",
-                        [str(s) for s in step.sources],
-                        step.destination,
-                        step.chmod,
-                        step.extract_archives,
-                    ]
-                )
-            elif isinstance(step, RunStep):
-                out.append(["RUN", list(step.argv), list(step.env), step.workdir])
-            else:
-                out.append(["WORKDIR", step.path])
-        return out
+    def describe_step(self, step: Step) -> list:
+        """A JSON-able description of one step; hashed (with copied file contents) into its layer key."""
+        if isinstance(step, CopyStep):
+            return [
+                "COPY",
+                [s.name for s in step.sources],
+                step.destination,
+                step.chmod,
+                step.extract_archives,
+                step.chown,
+            ]
+        if isinstance(step, RunStep):
+            return ["RUN", list(step.argv), list(step.env), step.workdir, step.user]
+        return ["WORKDIR", step.path]
 
 
 def check_environment(task: Task) -> BuildPlan:
     """Raise `UnsupportedEnvironment` if the local backend cannot build `task`; else its plan."""
     spec = task.environment
-    compose_dir = spec.context_dir or task.source_dir
-    for directory in {task.source_dir, compose_dir}:
-        for name in ("docker-compose.yaml", "docker-compose.yml"):
-            if (directory / name).is_file():
-                _check_compose(task, directory / name)
     if spec.dockerfile is not None:
-        plan = parse_dockerfile(
+        return parse_dockerfile(
             spec.dockerfile.read_text(encoding="utf-8"),
             context_dir=spec.context_dir or spec.dockerfile.parent,
             task_id=task.task_id,
             dockerfile=spec.dockerfile,
         )
-    elif spec.docker_image is not None:
-        reason = _base_image_problem(spec.docker_image)
-        if reason:
-            raise UnsupportedEnvironment(task.task_id, f"[environment].docker_image: {reason}")
-        plan = BuildPlan(base_image=spec.docker_image, steps=(), env=STAND_IN_ENV, workdir="/")
-    else:
+    if spec.docker_image is None:
         raise UnsupportedEnvironment(task.task_id, "no Dockerfile and no docker_image")
-    workdir = spec.workdir
-    if not workdir.startswith("/") or workdir.rstrip("/") == "" or _first_component(workdir) in {
-        "proc", "dev", "sys", "run",
-    }:  # fmt: skip
-        raise UnsupportedEnvironment(
-            task.task_id, f"workdir {workdir!r} cannot be a private sandbox directory"
-        )
-    if any(_is_within(workdir, path) or _is_within(path, workdir) for path in PRIVATE_DIRS.values()):
-        raise UnsupportedEnvironment(
-            task.task_id, f"workdir {workdir!r} overlaps a sandbox-private directory"
-        )
-    return plan
+    recipe = _recipe(task.task_id, spec.docker_image, "[environment].docker_image")[0]
+    return BuildPlan(base_image=spec.docker_image, steps=(), env=recipe.env, workdir=spec.workdir)
 
 
-def _check_compose(task: Task, compose: Path) -> None:
-    import yaml
-
+def _recipe(task_id: str, image: str, where: str) -> tuple[StandInRecipe, Substitution]:
     try:
-        config = yaml.safe_load(compose.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as error:
-        raise UnsupportedEnvironment(task.task_id, f"{compose.name}: invalid YAML: {error}") from error
-    services = config.get("services") if isinstance(config, Mapping) else None
-    if isinstance(services, Mapping) and len(services) > 1:
-        raise UnsupportedEnvironment(
-            task.task_id,
-            f"{compose.name}: {len(services)} services ({', '.join(services)}); the local backend runs one",
-        )
+        return stand_in_for(image)
+    except UnsupportedImage as error:
+        raise UnsupportedEnvironment(task_id, f"{where}: base image {image!r}: {error.reason}") from error
 
 
 def parse_dockerfile(
@@ -225,99 +197,82 @@ def parse_dockerfile(
 
     args: dict[str, str] = {}
     env: dict[str, str] = {}
-    workdir = "/"
+    workdir, user, shell = "/", "", DEFAULT_SHELL
+    entrypoint: tuple[str, ...] = ()
     base: str | None = None
     steps: list[Step] = []
-    for line, instruction, rest in _logical_lines(text, reject):
-        if instruction in IGNORED_INSTRUCTIONS:
+    for instruction in lexer.logical_instructions(text):
+        line, keyword, rest = instruction.line, instruction.keyword, instruction.arguments
+        if keyword in IGNORED_INSTRUCTIONS:
             continue
-        if instruction == "ARG":
-            name, _, default = rest.strip().partition("=")
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name.strip()):
-                raise reject(line, f"ARG {rest.strip()!r} is not NAME[=default]")
-            args[name.strip()] = _unquote(default.strip())
+        if keyword == "ARG":
+            for word in rest.split():
+                name, _, default = word.partition("=")
+                if not name.replace("_", "a").isalnum() or name[0].isdigit():
+                    raise reject(line, f"ARG {rest!r} is not NAME[=default]")
+                args[name] = _unquote(lexer.substitute(default, {**args, **env}))
             continue
-        if instruction == "FROM":
+        if keyword == "FROM":
             if base is not None:
-                raise reject(line, "multi-stage builds (a second FROM) are not supported")
+                raise reject(line, "multi-stage builds (a second FROM) need --backend container")
             words = [w for w in rest.split() if not w.startswith("--platform")]
             if not words:
                 raise reject(line, "FROM without an image")
-            image = _substitute(words[0], {**args, **env})
-            problem = _base_image_problem(image)
-            if problem:
-                raise reject(line, problem)
+            image = lexer.substitute(words[0], args)
+            recipe, _ = _recipe(task_id, image, f"{where} line {line}")
+            env.update(dict(recipe.env))
             base = image
             continue
         if base is None:
-            raise reject(line, f"{instruction} before FROM")
-        variables = {"PATH": DEFAULT_PATH, **args, **env}  # the base image defines PATH
-        if instruction == "ENV":
+            raise reject(line, f"{keyword} before FROM")
+        variables = {**args, **env}
+        if keyword == "ENV":
             env.update(_parse_env(rest, variables, lambda reason, at=line: reject(at, reason)))
-        elif instruction == "WORKDIR":
-            path = _substitute(_unquote(rest.strip()), variables)
+        elif keyword == "WORKDIR":
+            path = lexer.substitute(_unquote(rest.strip()), variables)
             workdir = os.path.normpath(path if path.startswith("/") else os.path.join(workdir, path))
             steps.append(WorkdirStep(line=line, path=workdir))
-        elif instruction in ("COPY", "ADD"):
-            steps.append(_parse_copy(instruction, rest, line, variables, workdir, context_dir, reject))
-        elif instruction == "RUN":
-            steps.append(_parse_run(rest, line, env, workdir, reject))
+        elif keyword == "USER":
+            user = lexer.substitute(rest.strip(), variables)
+        elif keyword == "SHELL":
+            shell = _json_array(rest, lambda reason, at=line: reject(at, f"SHELL {reason}"))
+        elif keyword == "ENTRYPOINT":
+            try:
+                entrypoint = _json_array(rest, lambda reason: ValueError(reason))
+            except ValueError:
+                entrypoint = (*shell, rest.strip())
+        elif keyword in ("COPY", "ADD"):
+            if instruction.heredocs:
+                raise reject(line, f"{keyword} heredocs need --backend container")
+            steps.append(_parse_copy(keyword, rest, line, variables, workdir, context_dir, reject))
+        elif keyword == "RUN":
+            run_env = {**args, **env}  # build arguments are visible to RUN, as in Docker
+            steps.append(_parse_run(instruction, run_env, workdir, user, shell, reject))
+        elif keyword == "ONBUILD":
+            raise reject(line, "ONBUILD is not supported")
         else:
-            raise reject(line, f"instruction {instruction} is outside the supported subset")
+            raise reject(line, f"instruction {keyword} is outside the supported subset")
     if base is None:
         raise UnsupportedEnvironment(task_id, f"{where}: no FROM instruction")
     return BuildPlan(
         base_image=base,
         steps=tuple(steps),
-        env=(*STAND_IN_ENV, *((k, v) for k, v in env.items() if k not in dict(STAND_IN_ENV))),
+        env=tuple(env.items()),
         workdir=workdir,
         dockerfile=dockerfile,
+        user=user,
+        entrypoint=entrypoint,
     )
 
 
-def _logical_lines(text: str, reject):
-    """(first line number, INSTRUCTION, arguments) with continuations joined and comments dropped."""
-    escape = "\\"
-    lines = text.splitlines()
-    for raw in lines[:5]:  # parser directives come first
-        directive = re.match(r"^#\s*escape\s*=\s*(\S)\s*$", raw.strip(), re.IGNORECASE)
-        if directive:
-            escape = directive.group(1)
-    index = 0
-    while index < len(lines):
-        raw = lines[index]
-        start = index + 1
-        index += 1
-        if not raw.strip() or raw.lstrip().startswith("#"):
-            continue
-        parts = []
-        current = raw.rstrip()
-        while current.endswith(escape):  # Docker joins continued lines verbatim, minus the escape
-            parts.append(current[: -len(escape)])
-            while index < len(lines) and (not lines[index].strip() or lines[index].lstrip().startswith("#")):
-                index += 1
-            if index >= len(lines):
-                current = ""
-                break
-            current = lines[index].rstrip()
-            index += 1
-        parts.append(current)
-        logical = "".join(parts).strip()
-        instruction, _, rest = logical.partition(" ")
-        if re.search(r"<<-?\s*[\"']?[A-Za-z_]", rest) and instruction.upper() in ("RUN", "COPY", "ADD"):
-            raise reject(start, f"{instruction.upper()} heredocs are not supported")
-        yield start, instruction.upper(), rest
-
-
-def _base_image_problem(image: str) -> str | None:
-    name = image.split("@", 1)[0]
-    repository, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", "")
-    last = repository.rsplit("/", 1)[-1].lower()
-    if any(bad in tag.lower() for bad in ("alpine", "windows", "nanoserver")):
-        return f"base image {image!r} is not Debian/Ubuntu-based (tag {tag!r})"
-    if last in _BASE_REPOSITORIES or last.startswith(_BASE_PREFIXES):
-        return None
-    return f"base image {image!r} is not a Debian, Ubuntu or python image the host can stand in for"
+def _json_array(text: str, reject) -> tuple[str, ...]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise reject(f"is not a JSON array: {error}") from None
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise reject("must be a non-empty JSON array of strings")
+    return tuple(value)
 
 
 def _parse_env(rest: str, variables: Mapping[str, str], reject) -> dict[str, str]:
@@ -327,7 +282,7 @@ def _parse_env(rest: str, variables: Mapping[str, str], reject) -> dict[str, str
         key, _, value = rest.partition(" ")
         if not key:
             raise reject("ENV without a name")
-        return {key: _substitute(value.strip(), variables)}
+        return {key: lexer.substitute(value.strip(), variables)}
     result: dict[str, str] = {}
     try:
         words = shlex.split(rest, posix=True)
@@ -337,7 +292,7 @@ def _parse_env(rest: str, variables: Mapping[str, str], reject) -> dict[str, str
         key, sep, value = word.partition("=")
         if not sep or not key:
             raise reject(f"ENV entry {word!r} is not KEY=value")
-        result[key] = _substitute(value, {**variables, **result})
+        result[key] = lexer.substitute(value, {**variables, **result})
     return result
 
 
@@ -346,7 +301,7 @@ def _parse_copy(instruction, rest, line, variables, workdir, context_dir, reject
         words = json.loads(rest) if rest.strip().startswith("[") else shlex.split(rest)
     except (json.JSONDecodeError, ValueError) as error:
         raise reject(line, f"{instruction} {rest!r}: {error}") from error
-    chmod = None
+    chmod = chown = None
     while words and words[0].startswith("--"):
         flag, _, value = words.pop(0)[2:].partition("=")
         if flag == "chmod":
@@ -354,17 +309,21 @@ def _parse_copy(instruction, rest, line, variables, workdir, context_dir, reject
                 chmod = int(value, 8)
             except ValueError:
                 raise reject(line, f"{instruction} --chmod={value!r} is not octal") from None
-        elif flag in ("chown", "link"):
+        elif flag == "chown":
+            chown = lexer.substitute(value, variables)
+        elif flag == "link":
             continue
+        elif flag == "from":
+            raise reject(line, f"{instruction} --from (multi-stage) needs --backend container")
         else:
             raise reject(line, f"{instruction} --{flag} is not supported")
     if len(words) < 2:
         raise reject(line, f"{instruction} needs a source and a destination")
-    *sources, destination = [_substitute(str(w), variables) for w in words]
+    *sources, destination = [lexer.substitute(str(w), variables) for w in words]
     resolved: list[Path] = []
     for source in sources:
-        if re.match(r"^[a-z][a-z0-9+.-]*://", source) or source.startswith("git@"):
-            raise reject(line, f"{instruction} of a URL ({source}) needs the network at build time")
+        if "://" in source or source.startswith("git@"):
+            raise reject(line, f"{instruction} of a URL ({source}) needs --backend container")
         matches = (
             sorted(context_dir.glob(source.lstrip("/")))
             if any(c in source for c in "*?[")
@@ -384,51 +343,41 @@ def _parse_copy(instruction, rest, line, variables, workdir, context_dir, reject
         destination if destination.startswith("/") else os.path.join(workdir, destination)
     )
     if trailing or len(resolved) > 1:
-        destination += "/"
+        destination = destination.rstrip("/") + "/"
     return CopyStep(
         line=line,
         sources=tuple(resolved),
         destination=destination,
         chmod=chmod,
         extract_archives=instruction == "ADD",
+        chown=chown,
     )
 
 
-def _parse_run(rest, line, env, workdir, reject) -> RunStep:
-    rest = rest.strip()
-    while rest.startswith("--"):
-        flag = rest.split(None, 1)[0]
-        raise reject(line, f"RUN {flag.split('=')[0]} is not supported")
-    if rest.startswith("["):
-        try:
-            argv = json.loads(rest)
-        except json.JSONDecodeError as error:
-            raise reject(line, f"RUN exec form is not a JSON array: {error}") from error
-        if not argv or not all(isinstance(a, str) for a in argv):
-            raise reject(line, "RUN exec form must be a non-empty array of strings")
+def _parse_run(instruction: lexer.Instruction, env, workdir, user, shell, reject) -> RunStep:
+    rest, line = instruction.arguments, instruction.line
+    if rest.startswith("--"):
+        raise reject(line, f"RUN {rest.split(None, 1)[0].split('=')[0]} needs --backend container")
+    if instruction.heredocs:
+        if len(instruction.heredocs) != 1 or not rest.lstrip().startswith("<<"):
+            raise reject(
+                line, "RUN with several heredocs, or a command before one, needs --backend container"
+            )
+        argv: tuple[str, ...] = (*shell, instruction.heredocs[0][1])
+    elif rest.startswith("["):
+        try:  # exec form; text that is not a JSON array is shell form, as in Docker (`RUN [ -e x ] ...`)
+            value = json.loads(rest)
+        except json.JSONDecodeError:
+            value = None
+        if isinstance(value, list) and value and all(isinstance(a, str) for a in value):
+            argv = tuple(value)
+        else:
+            argv = (*shell, rest)
     else:
         if not rest:
             raise reject(line, "RUN without a command")
-        argv = ["/bin/sh", "-c", rest]
-    return RunStep(line=line, argv=tuple(argv), env=tuple(env.items()), workdir=workdir)
-
-
-_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)(?::?([-+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
-
-
-def _substitute(value: str, variables: Mapping[str, str]) -> str:
-    """Docker's `$VAR`, `${VAR}`, `${VAR:-default}` and `${VAR:+alternative}` substitution."""
-
-    def replace(match: re.Match) -> str:
-        current = variables.get(match.group(1) or match.group(4), "")
-        operator, word = match.group(2), match.group(3) or ""
-        if operator == "-":
-            return current or word
-        if operator == "+":
-            return word if current else ""
-        return current
-
-    return _VARIABLE.sub(replace, value)
+        argv = (*shell, rest)
+    return RunStep(line=line, argv=argv, env=tuple(env.items()), workdir=workdir, user=user)
 
 
 def _unquote(value: str) -> str:
@@ -437,316 +386,442 @@ def _unquote(value: str) -> str:
     return value
 
 
-def _first_component(path: str) -> str:
-    return path.strip("/").split("/", 1)[0]
-
-
-def _is_within(path: str, parent: str) -> bool:
-    path, parent = os.path.normpath(path), os.path.normpath(parent)
-    return path == parent or path.startswith(parent.rstrip("/") + "/")
-
-
 # ------------------------------------------------------------------------------------------------
 # Built environments and the cache
 
 
 @dataclass(frozen=True)
 class BuiltEnvironment:
-    """A published environment layer. All paths are host paths inside the cache directory.
-
-    `upper` holds the system changes (an overlay upper layer over the host root; None when the
-    build changed nothing there); `seeds[name]` the initial content of each sandbox-private
-    directory (`work` for the workdir, and the keys of `PRIVATE_DIRS`); `masked_tops[name]` what the
-    build put under a host top-level directory sandboxes otherwise see empty.
-    """
+    """A published environment: the base root plus layers (host paths, topmost first) and the image
+    config. `substitution` says what stands in for the requested base image."""
 
     key: str
-    directory: Path
     base_image: str
+    base_root: Path
+    layers: tuple[Path, ...]
     env: tuple[tuple[str, str], ...]
     workdir: str
-    upper: Path | None
-    seeds: Mapping[str, Path] = field(default_factory=dict)
-    masked_tops: Mapping[str, Path] = field(default_factory=dict)
+    user: str
+    entrypoint: tuple[str, ...]
+    substitution: Substitution
+    recipe: str = ""
+
+    @property
+    def lower_stack(self) -> tuple[Path, ...]:
+        """The overlay lower directories, topmost first (the layers, then the base root)."""
+        return (*self.layers, self.base_root)
+
+    def to_json(self) -> dict:
+        return {
+            "key": self.key,
+            "base_image": self.base_image,
+            "base_root": str(self.base_root),
+            "layers": [str(p) for p in self.layers],
+            "env": [list(kv) for kv in self.env],
+            "workdir": self.workdir,
+            "user": self.user,
+            "entrypoint": list(self.entrypoint),
+            "substitution": self.substitution.to_json(),
+            "recipe": self.recipe,
+        }
 
     @classmethod
-    def load(cls, directory: Path) -> BuiltEnvironment:
-        meta = json.loads((directory / "env.json").read_text())
-        upper = directory / "upper"
+    def from_json(cls, data: Mapping) -> BuiltEnvironment:
+        sub = data["substitution"]
         return cls(
-            key=meta["key"],
-            directory=directory,
-            base_image=meta["base_image"],
-            env=tuple((k, v) for k, v in meta["env"]),
-            workdir=meta["workdir"],
-            upper=upper if meta["has_upper"] else None,
-            seeds={name: directory / "seeds" / name for name in meta["seeds"]},
-            masked_tops={name: directory / "tops" / name for name in meta["masked_tops"]},
+            key=data["key"],
+            base_image=data["base_image"],
+            base_root=Path(data["base_root"]),
+            layers=tuple(Path(p) for p in data["layers"]),
+            env=tuple((k, v) for k, v in data["env"]),
+            workdir=data["workdir"],
+            user=data["user"],
+            entrypoint=tuple(data["entrypoint"]),
+            substitution=Substitution(
+                sub["requested"], sub["stand_in"], sub["recipe"], tuple(sub["differences"])
+            ),
+            recipe=data.get("recipe", ""),
         )
 
 
-def host_masked_top_level(root: Path = Path("/")) -> dict[str, bool]:
-    """Host top-level entries sandboxes must not see: name -> is_directory."""
-    masked = {}
-    for entry in sorted(os.listdir(root)):
-        path = root / entry
-        if entry in VISIBLE_TOP_LEVEL or path.is_symlink():
-            continue  # symlinks such as /bin -> usr/bin resolve inside the visible tree
-        masked[entry] = path.is_dir()
-    return masked
-
-
 class EnvironmentBuilder:
-    """Builds and caches environment layers under `cache_dir/envs/<key>/`. Thread- and process-safe."""
+    """Builds and caches layers under `cache_dir/layers/<key>/` and environments under
+    `cache_dir/envs/<key>.json`, over stand-in roots from `stand_ins`. Thread- and process-safe."""
 
     def __init__(
         self,
         cache_dir: Path,
         *,
+        stand_ins: StandInStore | None = None,
         network: bool = True,
         build_timeout_sec: float = 1800.0,
         log_bytes: int = 64 * 1024,
     ):
-        self.envs_dir = Path(cache_dir).resolve() / "envs"
+        cache_dir = Path(cache_dir).resolve()
+        self.layers_dir = cache_dir / "layers"
+        self.envs_dir = cache_dir / "envs"
+        self.stand_ins = stand_ins or StandInStore(cache_dir / "stand-ins")
         self.network = network
         self.build_timeout_sec = build_timeout_sec
         self.log_bytes = log_bytes
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
-        self._masked = host_masked_top_level()
-        self._bwrap = require_tool("bwrap")
-        self._nsenter = require_tool("nsenter")
-        self._unshare = require_tool("unshare")
+        self._tools = {name: require_tool(name) for name in ("bwrap", "nsenter", "unshare", "setpriv")}
 
-    def cache_key(self, task: Task, plan: BuildPlan) -> str:
-        digest = hashlib.sha256()
-        os_release = Path("/etc/os-release").read_text() if Path("/etc/os-release").exists() else ""
-        header = {
-            "builder": BUILDER_VERSION,
-            "os": os_release,
-            "plan": plan.describe(),
-            "workdir": task.environment.workdir,
-            "network": self.network,
-            "masked": sorted(self._masked),
-        }
-        digest.update(json.dumps(header, sort_keys=True).encode())
+    def environment_key(self, plan: BuildPlan, recipe: StandInRecipe, task: Task) -> str:
+        return (
+            self._chain_keys(plan, recipe)[-1]
+            if plan.steps
+            else _digest([BUILDER_VERSION, recipe.key, "no steps"])
+        )
+
+    def _chain_keys(self, plan: BuildPlan, recipe: StandInRecipe) -> list[str]:
+        keys, previous = [], _digest([BUILDER_VERSION, recipe.key, self.network])
         for step in plan.steps:
+            digest = hashlib.sha256(json.dumps([previous, plan.describe_step(step)]).encode())
             if isinstance(step, CopyStep):
                 for source in step.sources:
                     _hash_tree(digest, source)
-        return digest.hexdigest()[:32]
+            previous = digest.hexdigest()[:32]
+            keys.append(previous)
+        return keys
 
     def build(self, task: Task) -> BuiltEnvironment:
         """The task's built environment, from the cache or built now (raises `UnsupportedEnvironment`
         before doing anything for a Dockerfile outside the subset, `EnvironmentBuildError` on failure)."""
         plan = check_environment(task)
-        key = self.cache_key(task, plan)
-        final = self.envs_dir / key
-        if (final / "env.json").is_file():
-            return BuiltEnvironment.load(final)
-        self.envs_dir.mkdir(parents=True, exist_ok=True)
-        with self._key_lock(key), _file_lock(self.envs_dir / f"{key}.lock"):
-            if (final / "env.json").is_file():
-                return BuiltEnvironment.load(final)
-            for stale in self.envs_dir.glob(f"{key}.building-*"):  # a build that died holding this lock
-                shutil.rmtree(stale, ignore_errors=True)
-            staging = self.envs_dir / f"{key}.building-{uuid.uuid4().hex[:8]}"
+        recipe, substitution = _recipe(task.task_id, plan.base_image, "FROM")
+        keys = self._chain_keys(plan, recipe)
+        env_key = _digest([keys, plan.env, plan.workdir, plan.user, plan.entrypoint, recipe.key])
+        record = self.envs_dir / f"{env_key}.json"
+        if record.is_file():
+            built = BuiltEnvironment.from_json(json.loads(record.read_text()))
+            if all(path.is_dir() for path in built.lower_stack):  # else a stand-in dir moved: rebuild
+                return built
+        base_root = self.stand_ins.shifted_root(recipe, SANDBOX_UID_BASE)
+        layers: list[Path] = []  # bottom first while building
+        for number, (step, key) in enumerate(zip(plan.steps, keys, strict=True)):
             try:
-                self._build_into(staging, key, task, plan)
+                layer = self._layer(task, step, key, base_root, layers)
+            except EnvironmentBuildError as error:
+                raise EnvironmentBuildError(f"{error}{self._earlier_logs_note(keys[:number])}") from error
+            if layer is not None:
+                layers.append(layer)
+        environment = BuiltEnvironment(
+            key=env_key,
+            base_image=plan.base_image,
+            base_root=base_root,
+            layers=tuple(reversed(layers)),
+            env=plan.env,
+            workdir=plan.workdir,
+            user=plan.user,
+            entrypoint=plan.entrypoint,
+            substitution=substitution,
+            recipe=recipe.name,
+        )
+        self.envs_dir.mkdir(parents=True, exist_ok=True)
+        temporary = self.envs_dir / f".{env_key}.{uuid.uuid4().hex[:8]}.tmp"
+        temporary.write_text(json.dumps(environment.to_json(), indent=1))
+        os.replace(temporary, record)
+        return environment
+
+    def _layer(self, task: Task, step: Step, key: str, base_root: Path, below: list[Path]) -> Path | None:
+        """The published layer of one step (None when the step changed nothing)."""
+        final = self.layers_dir / key
+        if (final / "layer.json").is_file():
+            return final / "diff" if json.loads((final / "layer.json").read_text())["changed"] else None
+        self.layers_dir.mkdir(parents=True, exist_ok=True)
+        with self._key_lock(key), file_lock(self.layers_dir / f".{key}.lock"):
+            if (final / "layer.json").is_file():
+                return final / "diff" if json.loads((final / "layer.json").read_text())["changed"] else None
+            for stale in self.layers_dir.glob(f"{key}.building-*"):  # a build that died holding this lock
+                shutil.rmtree(stale, ignore_errors=True)
+            staging = self.layers_dir / f"{key}.building-{uuid.uuid4().hex[:8]}"
+            try:
+                log = self._build_step(task, step, staging, base_root, below)
+                shutil.rmtree(staging / "work", ignore_errors=True)
+                shutil.rmtree(staging / "copy", ignore_errors=True)
+                changed = any((staging / "diff").iterdir())
+                (staging / "build.log").write_text(log)
+                (staging / "layer.json").write_text(
+                    json.dumps(
+                        {"key": key, "task_id": task.task_id, "changed": changed, "built_at": time.time()}
+                    )
+                )
                 os.rename(staging, final)
             finally:
                 if staging.exists():
                     shutil.rmtree(staging, ignore_errors=True)
-        return BuiltEnvironment.load(final)
+        return final / "diff" if changed else None
+
+    def _earlier_logs_note(self, keys: list[str]) -> str:
+        """What earlier (succeeded) steps' logs say could not be resolved: `curl ... | sh` passes
+        when the download fails, and only a later step notices that nothing was installed."""
+        logs = [self.layers_dir / key / "build.log" for key in keys]
+        return earlier_steps_note(
+            unresolved_hosts("\n".join(log.read_text(errors="replace") for log in logs if log.is_file()))
+        )
 
     def _key_lock(self, key: str) -> threading.Lock:
         with self._locks_guard:
             return self._locks.setdefault(key, threading.Lock())
 
-    # -- the build itself -------------------------------------------------------------------------
-
-    def _build_into(self, staging: Path, key: str, task: Task, plan: BuildPlan) -> None:
-        workdir = task.environment.workdir
-        for sub in ("upper", "ovlwork", "seeds/work", *(f"seeds/{n}" for n in PRIVATE_DIRS), "tops"):
-            (staging / sub).mkdir(parents=True, exist_ok=True)
-        (staging / "seeds" / "tmp").chmod(0o1777)
-        (staging / "seeds" / "vartmp").chmod(0o1777)
-        (staging / "seeds" / "home").chmod(0o700)
-        for name, is_dir in self._masked.items():
-            if is_dir:
-                (staging / "tops" / name).mkdir()
-        private = {"work": workdir, **PRIVATE_DIRS}
-        holder = HolderProcess.start(self._unshare, _build_mounts(staging))
-        log = _proc.BoundedBuffer(self.log_bytes // 2, self.log_bytes // 2)
-        deadline = time.monotonic() + self.build_timeout_sec
+    def _build_step(self, task: Task, step: Step, staging: Path, base_root: Path, below: list[Path]) -> str:
+        for sub in ("diff", "work"):
+            (staging / sub).mkdir(parents=True)
+            os.chown(staging / sub, SANDBOX_UID_BASE, SANDBOX_UID_BASE)
+        lower = ":".join(str(p) for p in (*reversed(below), base_root))
+        if len(lower) > MAX_LOWER_CHARS:
+            raise EnvironmentBuildError(f"task {task.task_id!r}: too many layers for one overlay mount")
+        ops = [
+            {
+                "op": "mount",
+                "source": "t1jax-build",
+                "target": "/run",
+                "fstype": "tmpfs",
+                "options": "mode=0755,size=16m",
+            },
+            {"op": "mkdir", "path": "/run/t1jax/root", "mode": 0o755},
+            {
+                "op": "mount",
+                "source": "t1jax-build-layer",
+                "target": "/run/t1jax/root",
+                "fstype": "overlay",
+                "nosuid": False,
+                "options": f"lowerdir={lower},upperdir={staging / 'diff'},workdir={staging / 'work'}",
+            },
+            {"op": "userns", "name": "build", "base": SANDBOX_UID_BASE, "count": SANDBOX_UID_COUNT},
+        ]
+        copy_script = ""
+        if isinstance(step, CopyStep):  # sources staged (owned by the sandbox's root), bound by the holder
+            copy_script, staged = _stage_copy(step, staging / "copy")
+            for index, directory in enumerate(staged):
+                ops.append({"op": "mkdir", "path": f"{COPY_STAGING}/{index}", "mode": 0o755})
+                ops.append(
+                    {
+                        "op": "bind",
+                        "source": str(directory),
+                        "target": f"{COPY_STAGING}/{index}",
+                        "readonly": True,
+                    }
+                )
+        holder = HolderProcess.start(self._tools["unshare"], ops)
         try:
-            merged = Path(f"/proc/{holder.pid}/root/run/t1jax/root")
-            resolve = _PathMapper(merged, staging, private, self._masked)
-            resolve.ensure_dir(workdir)
-            for mount_point in (workdir, *PRIVATE_DIRS.values(), "/tests"):  # sandboxes bind onto these
-                resolve.mount_point(mount_point).mkdir(parents=True, exist_ok=True)
-            if _is_python_base(plan.base_image):
-                _add_python_commands(merged)
-            for step in plan.steps:
-                if isinstance(step, WorkdirStep):
-                    resolve.ensure_dir(step.path)
-                elif isinstance(step, CopyStep):
-                    _copy_step(step, resolve)
-                else:
-                    self._run_step(task, step, holder, staging, private, log, deadline)
+            if isinstance(step, WorkdirStep):
+                script = f"mkdir -p {shlex.quote(step.path)}"
+                argv = ("/bin/sh", "-c", script)
+                return self._run_in_build(task, holder, step.line, "WORKDIR", argv, network=False)
+            if isinstance(step, CopyStep):
+                user = resolve_user(self._merged(holder), step.chown) if step.chown else (0, 0)
+                argv = ("/bin/sh", "-c", copy_script.replace("{owner}", f"{user[0]}:{user[1]}"))
+                binds = tuple(
+                    (f"{COPY_STAGING}/{i}", f"{COPY_SOURCE_MOUNT}/{i}") for i in range(len(step.sources))
+                )
+                keyword = "ADD" if step.extract_archives else "COPY"
+                return self._run_in_build(task, holder, step.line, keyword, argv, network=False, binds=binds)
+            named = bool(step.user) and not step.user.partition(":")[0].isdigit()
+            uid, gid = resolve_user(self._merged(holder), step.user)
+            # A RUN after USER: the image's own setpriv switches (bwrap cannot switch uids in a
+            # joined user namespace; the build runs the task's own code anyway).
+            switch_user = [] if uid == 0 else [
+                "setpriv", "--reuid", str(uid), "--regid", str(gid),
+                "--init-groups" if named else "--clear-groups", "--",
+            ]  # fmt: skip
+            env = {"HOME": user_home(self._merged(holder), uid), **dict(step.env)}
+            return self._run_in_build(
+                task,
+                holder,
+                step.line,
+                "RUN",
+                (*switch_user, *step.argv),
+                env=env,
+                workdir=step.workdir,
+                network=self.network,
+            )
         finally:
             holder.stop()
-        shutil.rmtree(staging / "ovlwork", ignore_errors=True)
-        has_upper = any((staging / "upper").iterdir())
-        tops = sorted(n for n in os.listdir(staging / "tops") if any((staging / "tops" / n).iterdir()))
-        (staging / "build.log").write_text(log.text())
-        meta = {
-            "key": key,
-            "task_id": task.task_id,
-            "base_image": plan.base_image,
-            "env": [list(kv) for kv in plan.env],
-            "workdir": workdir,
-            "has_upper": has_upper,
-            "seeds": sorted(private),
-            "masked_tops": tops,
-            "built_at": time.time(),
-        }
-        (staging / "env.json").write_text(json.dumps(meta, indent=1))
 
-    def _run_step(self, task, step: RunStep, holder, staging, private, log, deadline) -> None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise EnvironmentBuildError(
-                f"task {task.task_id!r}: build exceeded {self.build_timeout_sec:.0f} s"
+    @staticmethod
+    def _merged(holder: HolderProcess) -> Path:
+        return Path(f"/proc/{holder.pid}/root/run/t1jax/root")
+
+    def _run_in_build(
+        self,
+        task: Task,
+        holder: HolderProcess,
+        line: int,
+        keyword: str,
+        argv: tuple[str, ...],
+        *,
+        network: bool,
+        env: Mapping[str, str] | None = None,
+        workdir: str = "/",
+        binds: tuple[tuple[str, str], ...] = (),
+    ) -> str:
+        """Run one step's command in a build sandbox over the step's overlay (as the image's root,
+        with Docker's capability set): RUN steps, and COPY/ADD/WORKDIR too, so that every path
+        resolves inside the image (a symlink a layer planted can never point a write at the host).
+        `binds` are (path in the holder's namespace, path under /dev) read-only inputs; /dev is a
+        tmpfs of the sandbox, so nothing of them lands in the layer."""
+        userns = os.open(f"/proc/{holder.userns['build']}/ns/user", os.O_RDONLY)
+        environment = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": "build", **(env or {})}
+        bundle = host_ca_bundle() if network else None
+        extra = [arg for source, inside in binds for arg in ("--ro-bind", source, inside)]
+        if bundle is not None:  # a TLS-inspecting proxy: trust the host's CAs for this step only
+            extra += ["--ro-bind", str(bundle), CA_MOUNT]
+            environment.update(trust_env())
+        try:
+            args = [
+                self._tools["nsenter"], f"--mount=/proc/{holder.pid}/ns/mnt", "--",
+                self._tools["setpriv"], "--reuid", str(SANDBOX_UID_BASE), "--regid", str(SANDBOX_UID_BASE),
+                "--clear-groups", "--",
+                self._tools["bwrap"], "--userns", str(userns), "--die-with-parent", "--new-session",
+                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "build",
+                *([] if network else ["--unshare-net"]),
+                "--cap-drop", "ALL", *[arg for cap in DOCKER_CAPABILITIES for arg in ("--cap-add", cap)],
+                "--bind", "/run/t1jax/root", "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm",
+                *(["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"] if network else []),
+                *extra, "--chdir", workdir, "--", *argv,
+            ]  # fmt: skip
+            result = _proc.run_captured(
+                args,
+                env=environment,
+                timeout_sec=self.build_timeout_sec,
+                head_bytes=self.log_bytes // 2,
+                tail_bytes=self.log_bytes // 2,
+                on_timeout=lambda proc: _proc.kill_session(proc.pid),
+                pass_fds=(userns,),
             )
-        args = [
-            self._nsenter, f"--mount=/proc/{holder.pid}/ns/mnt", "--",
-            self._bwrap, "--die-with-parent", "--new-session",
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "build",
-            *([] if self.network else ["--unshare-net"]),
-            "--cap-drop", "ALL", *[arg for cap in BUILD_CAPABILITIES for arg in ("--cap-add", cap)],
-            "--bind", "/run/t1jax/root", "/",
-            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/run", "--tmpfs", "/dev/shm",
-        ]  # fmt: skip
-        for name, is_dir in sorted(self._masked.items()):
-            if is_dir:
-                args += ["--bind", str(staging / "tops" / name), f"/{name}"]
-            else:
-                args += ["--ro-bind", "/dev/null", f"/{name}"]
-        for name, path in sorted(private.items(), key=lambda item: item[1].count("/")):
-            args += ["--bind", str(staging / "seeds" / name), path]
-        args += ["--chdir", step.workdir, "--", *step.argv]
-        env = {
-            "PATH": DEFAULT_PATH,
-            "HOME": "/root",
-            "HOSTNAME": "build",
-            **dict(STAND_IN_ENV),
-            **dict(step.env),
-        }
-        result = _proc.run_captured(
-            args,
-            env=env,
-            timeout_sec=remaining,
-            head_bytes=self.log_bytes // 2,
-            tail_bytes=self.log_bytes // 2,
-            on_timeout=lambda proc: _proc.kill_session(proc.pid),
-        )
-        log.feed(f"$ {shlex.join(step.argv)}\n{result.stdout}{result.stderr}".encode())
+        finally:
+            os.close(userns)
+        log = f"{keyword} $ {shlex.join(argv)}\n{result.stdout}{result.stderr}"
         if result.timed_out or result.exit_code != 0:
             why = "timed out" if result.timed_out else f"exited {result.exit_code}"
             tail = (result.stdout + result.stderr)[-2000:]
             raise EnvironmentBuildError(
-                f"task {task.task_id!r}: Dockerfile line {step.line} "
-                f"RUN {shlex.join(step.argv)[:200]} {why}:\n{tail}"
+                f"task {task.task_id!r}: Dockerfile line {line} {keyword} {shlex.join(argv)[:200]} "
+                f"{why}:\n{tail}"
             )
+        return log
 
 
-class _PathMapper:
-    """Maps a container path at build time to the host path where the build writes it."""
-
-    def __init__(self, merged: Path, staging: Path, private: Mapping[str, str], masked: Mapping[str, bool]):
-        self.merged, self.staging, self.private, self.masked = merged, staging, private, masked
-
-    def host_path(self, container_path: str) -> Path:
-        path = os.path.normpath(container_path)
-        for name, private_path in sorted(self.private.items(), key=lambda item: -len(item[1])):
-            if _is_within(path, private_path):
-                return self.staging / "seeds" / name / os.path.relpath(path, private_path)
-        top = _first_component(path)
-        if top in self.masked:
-            if not self.masked[top]:
-                raise EnvironmentBuildError(f"cannot write {container_path}: /{top} is a masked host file")
-            return self.staging / "tops" / top / os.path.relpath(path, f"/{top}")
-        return self.merged / path.lstrip("/")
-
-    def mount_point(self, container_path: str) -> Path:
-        """Where the directory a private mount covers lives in the layer (it must exist there)."""
-        path = os.path.normpath(container_path)
-        top = _first_component(path)
-        if top in self.masked and self.masked[top]:
-            return self.staging / "tops" / top / os.path.relpath(path, f"/{top}")
-        return self.merged / path.lstrip("/")
-
-    def ensure_dir(self, container_path: str) -> Path:
-        host = self.host_path(container_path)
-        host.mkdir(parents=True, exist_ok=True)
-        return host
+def stack_file(stack: Path | tuple[Path, ...], relative: str) -> Path | None:
+    """The host path of `relative` (e.g. "etc/passwd") in a root, or in an overlay's lower layers
+    given topmost first (the first layer that has it wins, as in the mounted overlay)."""
+    for layer in (stack,) if isinstance(stack, Path) else stack:
+        path = layer / relative
+        if path.is_symlink() or path.exists():
+            return path if not (path.is_char_device() and os.stat(path).st_rdev == 0) else None  # a whiteout
+    return None
 
 
-def _is_python_base(image: str) -> bool:
-    repository = image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0].lower()
-    return repository == "python" or repository.startswith("python-")
-
-
-def _add_python_commands(merged: Path) -> None:
-    for name, target in PYTHON_BASE_COMMANDS:
-        if Path(target).exists() and not any(Path(d, name).exists() for d in ("/usr/local/bin", "/usr/bin")):
-            link = merged / "usr" / "local" / "bin" / name
-            link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(target)
-
-
-def _copy_step(step: CopyStep, resolve: _PathMapper) -> None:
-    into_directory = step.destination.endswith("/")
-    for source in step.sources:
-        if step.extract_archives and source.is_file() and source.name.endswith(_ARCHIVE_SUFFIXES):
-            target = resolve.ensure_dir(step.destination)
-            with tarfile.open(source) as archive:
-                archive.extractall(target, filter="data")
-            continue
-        if source.is_dir():
-            target = resolve.ensure_dir(step.destination)
-            shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
-            if step.chmod is not None:
-                for directory, _, files in os.walk(target):
-                    for name in files:
-                        os.chmod(os.path.join(directory, name), step.chmod)
-            continue
-        if into_directory:
-            target = resolve.ensure_dir(step.destination) / source.name
+def resolve_user(root: Path | tuple[Path, ...], user: str) -> tuple[int, int]:
+    """(uid, gid) inside the image for a Docker `USER` value ("", "name", "uid", "name:group", ...),
+    looked up in the /etc/passwd and /etc/group of `root` (a directory, or layers topmost first)."""
+    if not user:
+        return 0, 0
+    name, _, group = user.partition(":")
+    passwd = _table(stack_file(root, "etc/passwd"))
+    groups = _table(stack_file(root, "etc/group"))
+    if name.isdigit():
+        uid = int(name)
+        gid = next((int(e[3]) for e in passwd.values() if e[2] == name), uid)
+    elif name in passwd:
+        uid, gid = int(passwd[name][2]), int(passwd[name][3])
+    else:
+        raise EnvironmentBuildError(f"USER {user!r}: no user {name!r} in the image's /etc/passwd")
+    if group:
+        if group.isdigit():
+            gid = int(group)
+        elif group in groups:
+            gid = int(groups[group][2])
         else:
-            target = resolve.host_path(step.destination)
-            target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, target, follow_symlinks=False)
-        if step.chmod is not None:
-            os.chmod(target, step.chmod)
+            raise EnvironmentBuildError(f"USER {user!r}: no group {group!r} in the image's /etc/group")
+    return uid, gid
 
 
-def _build_mounts(staging: Path) -> list[dict]:
-    return [
-        {"op": "mount", "source": "t1jax-build-staging", "target": "/run", "fstype": "tmpfs",
-         "options": "mode=0755,size=16m"},
-        {"op": "mkdir", "path": "/run/t1jax/empty", "mode": 0o555},
-        {"op": "mkdir", "path": "/run/t1jax/host", "mode": 0o755},
-        {"op": "mkdir", "path": "/run/t1jax/root", "mode": 0o755},
-        # The host root as its own (overlay) filesystem, so the layer below never overlaps it.
-        {"op": "mount", "source": "t1jax-host", "target": "/run/t1jax/host", "fstype": "overlay",
-         "readonly": True,
-         "nosuid": False, "options": "lowerdir=/run/t1jax/empty:/"},
-        {"op": "mount", "source": "t1jax-build", "target": "/run/t1jax/root", "fstype": "overlay",
-         "nosuid": False,
-         "options": f"lowerdir=/run/t1jax/host,upperdir={staging / 'upper'},workdir={staging / 'ovlwork'}"},
-    ]  # fmt: skip
+def user_home(root: Path | tuple[Path, ...], uid: int) -> str:
+    for entry in _table(stack_file(root, "etc/passwd")).values():
+        if entry[2] == str(uid) and len(entry) > 5:
+            return entry[5]
+    return "/root" if uid == 0 else "/"
+
+
+def _table(path: Path | None) -> dict[str, list[str]]:
+    if path is None:
+        return {}
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    return {fields[0]: fields for fields in (line.split(":") for line in lines) if len(fields) >= 4}
+
+
+COPY_STAGING = "/run/t1jax/copy"  # in the build holder's namespace
+COPY_SOURCE_MOUNT = "/dev/.t1jax-copy"  # in the build sandbox (a tmpfs: nothing lands in the layer)
+
+
+def _stage_copy(step: CopyStep, staging: Path) -> tuple[str, list[Path]]:
+    """Stage one COPY/ADD's sources under `staging` (one directory per source, owned by the
+    sandbox's root so its root can read them whatever their host modes) and return the shell script
+    (for the image's /bin/sh, as its root) that performs the copy, with `{owner}` standing for the
+    --chown uid:gid. Docker's rules: a directory's contents are copied, not the directory; a
+    destination ending in '/' (or several sources) is a directory; ADD extracts a local tar archive
+    keeping its owners (decompressed here first); files get the --chmod mode; every copied entry,
+    and nothing else, gets the --chown owner."""
+    q = shlex.quote
+    staged: list[Path] = []
+    lines = ["set -e"]
+    destination = step.destination.rstrip("/") or "/"
+    into_directory = step.destination.endswith("/")
+    for index, source in enumerate(step.sources):
+        directory = staging / str(index)
+        directory.mkdir(parents=True)
+        staged.append(directory)
+        inside = f"{COPY_SOURCE_MOUNT}/{index}"
+        if step.extract_archives and source.is_file() and source.name.endswith(_ARCHIVE_SUFFIXES):
+            with tarfile.open(source) as archive, tarfile.open(directory / "archive.tar", "w") as plain:
+                for member in archive:
+                    plain.addfile(member, archive.extractfile(member) if member.isfile() else None)
+            lines.append(
+                f"mkdir -p {q(destination)} && "
+                f"tar -x -p --same-owner -f {inside}/archive.tar -C {q(destination)}"
+            )
+        elif source.is_dir():
+            shutil.copytree(source, directory, symlinks=True, dirs_exist_ok=True)
+            lines.append(
+                f"mkdir -p {q(destination)} && "
+                f"cp -R --preserve=mode,timestamps,links {inside}/. {q(destination)}/"
+            )
+            if step.chown:
+                lines.append(f"(cd {inside} && find . -mindepth 1) | "
+                             f'while IFS= read -r p; do chown -h {{owner}} {q(destination)}/"$p"; done; '
+                             f"chown {{owner}} {q(destination)}")  # fmt: skip
+            if step.chmod is not None:
+                lines.append(f"(cd {inside} && find . -type f) | "
+                             f"while IFS= read -r p; do "
+                             f'chmod {step.chmod:o} {q(destination)}/"$p"; done')  # fmt: skip
+        else:
+            shutil.copy2(source, directory / source.name, follow_symlinks=False)
+            target = f"{destination}/{source.name}" if into_directory else destination
+            lines.append(f"mkdir -p {q(os.path.dirname(target) or '/')} && "
+                         f"cp -P --preserve=mode,timestamps,links "
+                         f"{inside}/{q(source.name)} {q(target)}")  # fmt: skip
+            if step.chown:
+                lines.append(f"chown -h {{owner}} {q(target)}")
+            if step.chmod is not None:
+                lines.append(f"chmod {step.chmod:o} {q(target)}")
+        _chown_tree(directory, SANDBOX_UID_BASE, SANDBOX_UID_BASE)
+    return "\n".join(lines) + "\n", staged
+
+
+def _chown_tree(root: Path, uid: int, gid: int) -> None:
+    for path in [root, *root.rglob("*")]:
+        os.lchown(path, uid, gid)
+
+
+def _digest(value: object) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def _hash_tree(digest, path: Path) -> None:
@@ -768,17 +843,3 @@ def _hash_entry(digest, path: Path, base: Path) -> None:
                 digest.update(chunk)
     else:
         digest.update(b"D")
-
-
-class _file_lock:
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        self.handle = open(self.path, "a")
-        fcntl.flock(self.handle, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.handle, fcntl.LOCK_UN)
-        self.handle.close()

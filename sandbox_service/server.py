@@ -12,6 +12,7 @@ with the status of the matching `sandbox_service.errors` class):
     GET    /v1/health                          -> {"status", "backend", "stats"}
     GET    /v1/tasks/{digest}                  -> 200 if the task directory is stored, else 404
     PUT    /v1/tasks/{digest}   (gzip tar)     -> 201 stored (200 if already there); 400 on digest mismatch
+    POST   /v1/environment-audit  {task_digest, task}  -> EnvironmentAudit (how the backend runs it)
     POST   /v1/sandboxes  {task_digest, task, run_id, trial_id?, admission_timeout_sec?}
                                                -> 201 {sandbox_id, trial_id, run_id, limits}
     GET    /v1/sandboxes?run_id=               -> {"trials": [...open trials...]}
@@ -287,6 +288,13 @@ def create_app(
             status_code=201,
         )
 
+    async def audit_environment(request: Request) -> Response:
+        data = await _json_body(request)
+        root = task_store.require(_string(data, "task_digest"))
+        task = wire.task_from_json(data.get("task"), root)
+        audit = await blocking(controller.environment_audit, task)
+        return JSONResponse(audit.to_json())
+
     async def list_sandboxes(request: Request) -> Response:
         run_id = request.query_params.get("run_id")
         return JSONResponse({"trials": [_trial_to_json(info) for info in controller.trials(run_id)]})
@@ -345,6 +353,7 @@ def create_app(
         Route(f"{p}/health", endpoint(health), methods=["GET"]),
         Route(f"{p}/tasks/{{digest}}", endpoint(get_task), methods=["GET"]),
         Route(f"{p}/tasks/{{digest}}", endpoint(put_task), methods=["PUT"]),
+        Route(f"{p}/environment-audit", endpoint(audit_environment), methods=["POST"]),
         Route(f"{p}/sandboxes", endpoint(create_sandbox), methods=["POST"]),
         Route(f"{p}/sandboxes", endpoint(list_sandboxes), methods=["GET"]),
         Route(f"{p}/sandboxes/{{sandbox_id}}/exec", endpoint(exec_command), methods=["POST"]),

@@ -10,6 +10,12 @@ Layouts (see shared/reference/terminal-bench-and-harness.md):
   `instruction.md`, `environment/` (Dockerfile, or only `[environment].docker_image`),
   `tests/test.sh`, `solution/solve.sh` (optional).
 
+Formats no backend here runs are rejected at load time with the reason named, as
+`UnsupportedTaskFormat` (a `TaskLoadError` carrying a `SkipReason`): Harbor multi-step tasks
+(`[[steps]]` in task.toml, a `steps/` directory) and docker-compose environments with more than
+one service. Both would need a contract this service does not have (verification per step, several
+containers per trial); their `skip_reason` lets `check-tasks` and the eval report them as skipped.
+
 Invariants:
 - `load_task` returns a `Task` only if the directory is complete and well-formed; otherwise it raises
   `TaskLoadError` naming the offending file and field. Nothing about the environment is built here.
@@ -21,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
@@ -33,6 +40,7 @@ import yaml
 from sandbox_service.contracts import (
     Difficulty,
     EnvironmentSpec,
+    SkipReason,
     Task,
     TaskLayout,
     TaskLimits,
@@ -58,6 +66,14 @@ class TaskLoadError(ValueError):
         self.path = Path(path)
         self.field = field
         self.message = message
+
+
+class UnsupportedTaskFormat(TaskLoadError):
+    """A well-formed task in a format no backend of this service runs (`skip_reason` says which)."""
+
+    def __init__(self, path: Path, field: str, message: str, skip_reason: SkipReason):
+        super().__init__(path, field, message)
+        self.skip_reason = skip_reason
 
 
 @dataclass(frozen=True)
@@ -156,6 +172,21 @@ def _load_harbor(task_dir: Path) -> Task:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise TaskLoadError(toml_path, "task.toml", f"invalid TOML: {error}") from error
 
+    steps = config.get("steps")
+    if steps is not None or (task_dir / "steps").is_dir():
+        names = (
+            [str(step.get("name", "?")) for step in steps if isinstance(step, Mapping)]
+            if isinstance(steps, list)
+            else sorted(p.name for p in (task_dir / "steps").iterdir() if p.is_dir())
+        )
+        raise UnsupportedTaskFormat(
+            toml_path,
+            "steps",
+            f"a multi-step Harbor task ({len(names)} steps: {', '.join(names[:6])}): "
+            "no backend here verifies "
+            "per step (the Sandbox contract verifies once per trial)",
+            SkipReason.MULTI_STEP,
+        )
     instruction = _read_instruction_md(task_dir / "instruction.md")
     task_table = _table(config, "task", toml_path)
     metadata = _table(config, "metadata", toml_path)
@@ -178,6 +209,7 @@ def _load_harbor(task_dir: Path) -> Task:
     solution = task_dir / "solution" / "solve.sh"
 
     spec = _harbor_environment(task_dir, environment, toml_path)
+    solution_table = _table(config, "solution", toml_path)
     agent_timeout = _positive(agent, "timeout_sec", DEFAULT_AGENT_TIMEOUT_SEC, toml_path, "agent.timeout_sec")
     verifier_timeout = _positive(
         verifier, "timeout_sec", DEFAULT_VERIFIER_TIMEOUT_SEC, toml_path, "verifier.timeout_sec"
@@ -196,7 +228,16 @@ def _load_harbor(task_dir: Path) -> Task:
         tags=_tags(metadata.get("tags", task_table.get("keywords", [])), toml_path, "metadata.tags"),
         parser_name="pytest",
         limits=_limits(agent_timeout, verifier_timeout),
+        solution_env=_env_table(solution_table, toml_path, "solution.env"),
+        verifier_env=_env_table(verifier, toml_path, "verifier.env"),
     )
+
+
+def _env_table(table: Mapping[str, Any], path: Path, field_name: str) -> dict[str, str]:
+    env = table.get("env", {})
+    if not isinstance(env, Mapping) or not all(isinstance(v, str | int | float) for v in env.values()):
+        raise TaskLoadError(path, field_name, "must be a table of strings")
+    return {str(k): str(v) for k, v in env.items()}
 
 
 def _harbor_environment(task_dir: Path, table: Mapping[str, Any], toml_path: Path) -> EnvironmentSpec:
@@ -207,8 +248,17 @@ def _harbor_environment(task_dir: Path, table: Mapping[str, Any], toml_path: Pat
         raise TaskLoadError(
             toml_path, "environment.docker_image", f"must be a non-empty string, got {image!r}"
         )
-    has_compose = any((env_dir / n).is_file() for n in ("docker-compose.yaml", "docker-compose.yml"))
-    if not dockerfile.is_file() and image is None and not has_compose:
+    compose = next((env_dir / n for n in _COMPOSE_NAMES if (env_dir / n).is_file()), None)
+    context = env_dir
+    if compose is not None:
+        compose_dockerfile, compose_context, compose_image = _single_compose_service(compose)
+        if not dockerfile.is_file() and image is None:
+            dockerfile, context, image = (
+                compose_dockerfile or dockerfile,
+                compose_context or env_dir,
+                compose_image,
+            )
+    if not dockerfile.is_file() and image is None:
         raise TaskLoadError(
             env_dir, "environment", "no environment/Dockerfile and no [environment].docker_image"
         )
@@ -221,22 +271,37 @@ def _harbor_environment(task_dir: Path, table: Mapping[str, Any], toml_path: Pat
         raise TaskLoadError(
             toml_path, "environment.allow_internet", f"must be true/false, got {allow_internet!r}"
         )
-    env = table.get("env", {})
-    if not isinstance(env, Mapping) or not all(isinstance(v, str | int | float) for v in env.values()):
-        raise TaskLoadError(toml_path, "environment.env", "must be a table of strings")
-    workdir = table.get("workdir")
+    env = _env_table(table, toml_path, "environment.env")
+    gpus = table.get("gpus", 0)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        raise TaskLoadError(toml_path, "environment.gpus", f"must be a non-negative integer, got {gpus!r}")
+    workdir, workdir_from, where, field_name = (
+        table.get("workdir"),
+        "task.toml",
+        toml_path,
+        "environment.workdir",
+    )
+    if workdir is None and dockerfile.is_file():
+        workdir, workdir_from, where, field_name = (
+            _dockerfile_workdir(dockerfile),
+            "Dockerfile",
+            dockerfile,
+            "WORKDIR",
+        )
     if workdir is None:
-        workdir = _dockerfile_workdir(dockerfile) if dockerfile.is_file() else None
+        workdir, workdir_from = DEFAULT_WORKDIR, "default"
     return EnvironmentSpec(
         dockerfile=dockerfile if dockerfile.is_file() else None,
         docker_image=None if dockerfile.is_file() else image,
-        context_dir=env_dir if env_dir.is_dir() else None,
-        workdir=_workdir(workdir or DEFAULT_WORKDIR, toml_path, "environment.workdir"),
+        context_dir=context if context.is_dir() else None,
+        workdir=_workdir(workdir, where, field_name),
         cpus=float(cpus),
         memory_mb=memory_mb,
         storage_mb=storage_mb,
         allow_internet=allow_internet,
-        env={str(k): str(v) for k, v in env.items()},
+        env=env,
+        workdir_from=workdir_from,
+        gpus=gpus,
     )
 
 
@@ -311,40 +376,61 @@ def _load_terminal_bench_1(task_dir: Path) -> Task:
 def _tb1_environment(task_dir: Path) -> EnvironmentSpec:
     dockerfile = task_dir / "Dockerfile"
     context = task_dir
-    compose = next(
-        (task_dir / n for n in ("docker-compose.yaml", "docker-compose.yml") if (task_dir / n).is_file()),
-        None,
-    )
     image = None
+    compose = next((task_dir / n for n in _COMPOSE_NAMES if (task_dir / n).is_file()), None)
     if compose is not None:
-        try:
-            compose_config = yaml.safe_load(compose.read_text(encoding="utf-8")) or {}
-        except (yaml.YAMLError, UnicodeDecodeError) as error:
-            raise TaskLoadError(compose, "docker-compose", f"invalid YAML: {error}") from error
-        client = (
-            (compose_config.get("services") or {}).get("client")
-            if isinstance(compose_config, Mapping)
-            else None
-        )
-        if isinstance(client, Mapping):
-            build = client.get("build")
-            if isinstance(build, str):
-                context = (task_dir / build).resolve()
-                dockerfile = context / "Dockerfile"
-            elif isinstance(build, Mapping):
-                context = (task_dir / str(build.get("context", "."))).resolve()
-                dockerfile = context / str(build.get("dockerfile", "Dockerfile"))
-            elif isinstance(client.get("image"), str) and "$" not in client["image"]:
-                image = client["image"]
+        compose_dockerfile, compose_context, image = _single_compose_service(compose)
+        if compose_dockerfile is not None:
+            dockerfile, context = compose_dockerfile, compose_context
     if not dockerfile.is_file() and image is None:
         raise TaskLoadError(task_dir / "Dockerfile", "environment", "no Dockerfile and no client image")
+    workdir = _dockerfile_workdir(dockerfile)
     return EnvironmentSpec(
         dockerfile=dockerfile if dockerfile.is_file() else None,
         docker_image=None if dockerfile.is_file() else image,
         context_dir=context,
-        workdir=_workdir(_dockerfile_workdir(dockerfile) or DEFAULT_WORKDIR, dockerfile, "WORKDIR"),
+        workdir=_workdir(workdir or DEFAULT_WORKDIR, dockerfile, "WORKDIR"),
         allow_internet=True,  # Terminal-Bench 1.x containers had network access
+        workdir_from="Dockerfile" if workdir else "default",
     )
+
+
+_COMPOSE_NAMES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
+
+
+def _single_compose_service(compose: Path) -> tuple[Path | None, Path | None, str | None]:
+    """(Dockerfile, build context, image) of a compose file's one service; a compose file with
+    several services is an `UnsupportedTaskFormat` (several containers per trial)."""
+    try:
+        config = yaml.safe_load(compose.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise TaskLoadError(compose, "docker-compose", f"invalid YAML: {error}") from error
+    services = config.get("services") if isinstance(config, Mapping) else None
+    if not isinstance(services, Mapping) or not services:
+        raise TaskLoadError(compose, "services", "a compose file needs a services table")
+    if len(services) > 1:
+        raise UnsupportedTaskFormat(
+            compose,
+            "services",
+            f"a multi-container compose environment "
+            f"({len(services)} services: {', '.join(map(str, services))}); "
+            "every backend here runs one container per trial",
+            SkipReason.MULTI_CONTAINER,
+        )
+    service = next(iter(services.values()))
+    if not isinstance(service, Mapping):
+        raise TaskLoadError(compose, "services", "a service must be a mapping")
+    build = service.get("build")
+    if isinstance(build, str):
+        context = (compose.parent / build).resolve()
+        return context / "Dockerfile", context, None
+    if isinstance(build, Mapping):
+        context = (compose.parent / str(build.get("context", "."))).resolve()
+        return context / str(build.get("dockerfile", "Dockerfile")), context, None
+    image = service.get("image")
+    if isinstance(image, str) and "$" not in image:
+        return None, None, image
+    return None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -415,9 +501,9 @@ def _size_mb(table: Mapping[str, Any], mb_key: str, legacy_key: str, default: in
 
 
 def _workdir(value: Any, path: Path, field_name: str) -> str:
-    if not isinstance(value, str) or not value.startswith("/") or value.rstrip("/") == "":
-        raise TaskLoadError(path, field_name, f"must be an absolute path other than '/', got {value!r}")
-    return value.rstrip("/")
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise TaskLoadError(path, field_name, f"must be an absolute path, got {value!r}")
+    return os.path.normpath(value) if value.strip("/") else "/"
 
 
 def _dockerfile_workdir(dockerfile: Path) -> str | None:

@@ -1,76 +1,192 @@
-"""Verifier integrity: the pinned pytest toolchain, the test checksums, and how a task's tests run.
+"""Verifier integrity: the pinned pytest toolchain, the interpreter it runs on, the test checksums,
+and how a task's tests are run.
 
 This module owns what the verifier of a trial executes and with what, independent of where it runs.
 
-The toolchain is pytest==8.4.1 and pytest-json-ctrf==0.3.5 (and their dependencies), installed
-once by the service with `python -m sandbox_service.verifier --setup [--toolchain-dir DIR]` into a
-plain directory (`DIR/site`, pure-Python wheels) plus a launcher `DIR/run_pytest.py` and a
-`DIR/bin/pytest` shim. Sandboxes mount it read-only at `TOOLCHAIN_MOUNT`, a path only the
-verifier's mount namespace has; tasks never download it.
+The toolchain is pytest==8.4.1 and pytest-json-ctrf==0.3.5 (plus the backports pytest needs on
+Python < 3.11), installed once by the service with `python -m sandbox_service.verifier --setup
+[--toolchain-dir DIR]` into a plain directory (`DIR/site`, pure-Python wheels), a launcher
+`DIR/run_pytest.py` and a `DIR/bin/pytest` shim. Sandboxes mount it read-only at
+`TOOLCHAIN_MOUNT`, a path only the verifier's mount namespace has; tasks never download it.
+
+The interpreter (`VerifierRuntime`, found by `find_runtime`): the agent may have replaced any
+file of its own root (a writable copy-on-write root, as in a container), so the verifier does not
+run the root's `python3` or `bash` by name. It runs the image's *pristine* copies, from the task's
+environment as built (mounted read-only at `IMAGE_MOUNT` in the verifier's namespace), through
+that copy's own dynamic loader (`ld-linux ... --library-path`), so no file the agent could write
+is executed before the tests start. Without a usable python3 (>= 3.9) in the image, the host's
+`/usr` (mounted at `HOST_MOUNT`) supplies it. The launcher puts the toolchain first on sys.path,
+then the pristine standard library and site-packages, then the live site-packages (what the agent
+installed), taking only path lines from their `.pth` files (never `import` lines), with `site`,
+user site, plugin autoload and bytecode writing off.
 
 How a task's tests are run (`plan_verifier`):
 - If the task's test script (Harbor `tests/test.sh`, TB 1.x `run-tests.sh`) downloads or installs
-  nothing (no curl/wget/uv/uvx/pip install/apt/conda/npm/git clone), the script itself runs, with
-  the toolchain's `pytest` first on PATH and `PYTEST_ADDOPTS` adding the per-assertion reports.
+  nothing (no curl/wget/uv/uvx/pip install/apt/conda/npm/git clone), the script itself runs, on
+  the pristine bash. In it `pytest`, `py.test` and `python3 -m pytest` / `python -m pytest` run
+  the pinned toolchain on the pristine interpreter (bash functions handed to the script);
+  `PYTEST_ADDOPTS` adds only options every pytest has (`-rA`, the JUnit report, `-c`, rootdir and
+  confcutdir), so a script that runs the image's own pytest (without pytest-json-ctrf) still works.
 - Otherwise, if the tests directory has pytest files, the pinned pytest runs them directly (the
   files the script names, else every `test_*.py` / `*_test.py`); the script is not executed,
   because its downloads could not work offline and would not be reproducible. The binary outcome
   is then pytest's exit status.
 - Otherwise the script runs as is (and will likely fail without network); the report says so.
-Either way pytest runs with `-rA -p no:cacheprovider --rootdir=/tests --confcutdir=/tests`, JUnit
-XML and CTRF JSON written to /logs/verifier, Python in `-P -s` mode (no script/cwd directory and no
-user site on sys.path), HOME=/root, a fresh TMPDIR, and an environment the agent never touched.
+The pinned pytest always runs with `-rA -p no:cacheprovider -c <ini> --rootdir=/tests
+--confcutdir=/tests`, where `<ini>` is the tests directory's own pytest config or an empty one (so
+no pytest.ini, tox.ini or setup.cfg the agent planted anywhere is read), JUnit XML and CTRF JSON
+written to /logs/verifier, HOME=/root, a fresh TMPDIR, and an environment the agent never touched.
 
 Invariants:
 - `tests_manifest(dir)` is a sha256 per relative file path (plus symlink targets); the copy placed
   in a sandbox is accepted only if its manifest equals the one taken from the task when the
   sandbox was created.
+- A plan built with a `VerifierRuntime` executes no program by a path the agent can write until
+  the task's own test script or test code runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import json
 import os
 import re
 import shlex
+import stat
+import struct
 import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+from sandbox_service.argparsing import EXIT_BAD_INPUT, OneLineArgumentParser, one_line
 from sandbox_service.contracts import Task, TaskLayout
 
 PYTEST_VERSION = "8.4.1"
 PYTEST_JSON_CTRF_VERSION = "0.3.5"
-PINNED_REQUIREMENTS = (f"pytest=={PYTEST_VERSION}", f"pytest-json-ctrf=={PYTEST_JSON_CTRF_VERSION}")
-DEFAULT_TOOLCHAIN_DIR = Path(".cache") / "sandbox_service" / "verifier-toolchain"
+PINNED_REQUIREMENTS = (
+    f"pytest=={PYTEST_VERSION}",
+    f"pytest-json-ctrf=={PYTEST_JSON_CTRF_VERSION}",
+    "exceptiongroup==1.3.0",  # pytest's backports for Python < 3.11 images, installed unconditionally
+    "tomli==2.2.1",
+)
+TOOLCHAIN_LAYOUT = "2"  # bump when the launcher or the shim change
+# Named by layout, so checkouts of different versions sharing one cache never rewrite each other's.
+DEFAULT_TOOLCHAIN_SUBDIR = f"verifier-toolchain-v{TOOLCHAIN_LAYOUT}"
+DEFAULT_TOOLCHAIN_DIR = Path(".cache") / "sandbox_service" / DEFAULT_TOOLCHAIN_SUBDIR
 
-TOOLCHAIN_MOUNT = "/run/t1jax-verifier/toolchain"  # inside the verifier's namespace only
-VERIFIER_TMP = "/run/t1jax-verifier/tmp"
+VERIFIER_ROOT = "/run/t1jax-verifier"  # inside the verifier's namespace only
+TOOLCHAIN_MOUNT = f"{VERIFIER_ROOT}/toolchain"
+IMAGE_MOUNT = f"{VERIFIER_ROOT}/image"  # the task's environment as built, read-only
+HOST_MOUNT = f"{VERIFIER_ROOT}/host"  # the host's /usr, read-only: the fallback interpreter
+VERIFIER_TMP = f"{VERIFIER_ROOT}/tmp"
 TESTS_DIR = "/tests"
 REPORT_DIR = "/logs/verifier"
-SANDBOX_PYTHON = "/usr/bin/python3"
+CTRF_PLUGIN = "ctrf.main"  # pytest-json-ctrf's pytest11 entry point (autoload is off)
+EMPTY_INI = "empty-pytest.ini"
+MIN_PYTHON = (3, 9)  # pytest 8.4
 
 _NETWORK_COMMAND = re.compile(
     r"(?<![\w.-])(curl|wget|uvx?|apt-get|apt|conda|mamba|micromamba|npm|npx|yarn|pipx)(?![\w.-])"
     r"|\bpip3?\s+install\b|\bpython3?\s+-m\s+pip\s+install\b|\bgit\s+clone\b"
 )
 _NAMED_TEST_FILE = re.compile(r"(?:\$\{?TEST_DIR\}?|/tests)/([\w./-]+\.py)\b")
+# Variables of the image's or task's environment the verifier never inherits (they would change what
+# pytest loads or what the interpreter and the test script's shell run first).
+_AGENT_ONLY_VARIABLES = (
+    "PYTEST_PLUGINS",
+    "PYTEST_ADDOPTS",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "BASH_ENV",
+    "ENV",
+)
+_INI_FILES = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
 
-_LAUNCHER = '''"""Runs the pinned pytest of this toolchain directory (written by sandbox_service.verifier)."""
+_LAUNCHER = '''"""Runs the pinned pytest of this toolchain directory (written by sandbox_service.verifier).
+
+sys.path: this toolchain, the interpreter's (pristine) standard library, then for every directory
+in T1JAX_SITE_DIRS its pristine copy under T1JAX_IMAGE_ROOT and then its live copy, each with the
+path lines (never the import lines) of its .pth files.
+"""
 import os
 import sys
 
 sys.dont_write_bytecode = True  # the toolchain is mounted read-only
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "site"))
+
+
+def _add(directory):
+    if not os.path.isdir(directory) or directory in sys.path:
+        return
+    sys.path.append(directory)
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".pth"):
+            continue
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8", errors="replace") as handle:
+                lines = handle.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            line = line.strip()
+            if line and not line.startswith(("#", "import ", "import\\t")):
+                path = os.path.join(directory, line)
+                if os.path.isdir(path) and path not in sys.path:
+                    sys.path.append(path)
+
+
+_image = os.environ.get("T1JAX_IMAGE_ROOT", "")
+for _directory in filter(None, os.environ.get("T1JAX_SITE_DIRS", "").split(":")):
+    if _image:
+        _add(_image + _directory)
+    _add(_directory)
+
 import pytest  # noqa: E402
 
 raise SystemExit(pytest.console_main())
 '''
+
+# Runs the pinned pytest: on the pristine interpreter when the verifier set T1JAX_PYTHON, else (a
+# remote container without one) on the python3 the container's PATH finds.
+_SHIM = f"""#!/bin/sh
+# The pinned pytest of the t1jax verifier (written by sandbox_service.verifier).
+set -- {TOOLCHAIN_MOUNT}/run_pytest.py -p {CTRF_PLUGIN} "$@"
+if [ -n "$T1JAX_PYTHON" ]; then
+  if [ -n "$T1JAX_LOADER" ]; then
+    set -- "$T1JAX_LOADER" --library-path "$T1JAX_LIBRARY_PATH" "$T1JAX_PYTHON" $T1JAX_PYTHON_FLAGS "$@"
+  else
+    set -- "$T1JAX_PYTHON" $T1JAX_PYTHON_FLAGS "$@"
+  fi
+  PYTHONHOME="$T1JAX_PYTHONHOME" PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 exec "$@"
+fi
+python=$(command -v python3 || echo /usr/bin/python3)
+if "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 exec "$python" -P -s "$@"
+fi
+PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 exec "$python" -s "$@"
+"""
+
+# The same as the shim, as a bash function the pristine bash defines for the test script, so
+# `pytest` in a script never goes through a file the agent could have replaced (/bin/sh).
+_PYTEST_FUNCTION = (
+    '() { if [ -n "$T1JAX_LOADER" ]; then '
+    'PYTHONHOME="$T1JAX_PYTHONHOME" PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 command "$T1JAX_LOADER" '
+    '--library-path "$T1JAX_LIBRARY_PATH" "$T1JAX_PYTHON" $T1JAX_PYTHON_FLAGS '
+    f'{TOOLCHAIN_MOUNT}/run_pytest.py -p {CTRF_PLUGIN} "$@"; '
+    'else PYTHONHOME="$T1JAX_PYTHONHOME" PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 command "$T1JAX_PYTHON" '
+    f'$T1JAX_PYTHON_FLAGS {TOOLCHAIN_MOUNT}/run_pytest.py -p {CTRF_PLUGIN} "$@"; fi; }}'
+)
+# `python3 -m pytest ...` in a test script: the pinned pytest; any other python3 call: the image's.
+_PYTHON_FUNCTION = (
+    '() {{ if [ "$1" = -m ] && {{ [ "$2" = pytest ] || [ "$2" = py.test ]; }}; then shift 2; '
+    'pytest "$@"; else command {name} "$@"; fi; }}'
+)
 
 
 class ToolchainMissing(RuntimeError):
@@ -87,16 +203,17 @@ class Toolchain:
     def at(cls, directory: str | Path) -> Toolchain:
         directory = Path(directory).resolve()
         marker = directory / "toolchain.json"
+        setup = f"`python -m sandbox_service.verifier --setup --toolchain-dir {directory}`"
         if not marker.is_file():
+            raise ToolchainMissing(f"no verifier toolchain at {directory}; create it with {setup}")
+        recorded = json.loads(marker.read_text())
+        if recorded.get("requirements") != list(PINNED_REQUIREMENTS):
             raise ToolchainMissing(
-                f"no verifier toolchain at {directory}; create it with "
-                f"`python -m sandbox_service.verifier --setup --toolchain-dir {directory}`"
+                f"toolchain at {directory} pins {recorded.get('requirements')}, expected "
+                f"{list(PINNED_REQUIREMENTS)}; recreate it with {setup}"
             )
-        recorded = json.loads(marker.read_text()).get("requirements")
-        if recorded != list(PINNED_REQUIREMENTS):
-            raise ToolchainMissing(
-                f"toolchain at {directory} pins {recorded}, expected {list(PINNED_REQUIREMENTS)}"
-            )
+        if recorded.get("layout") != TOOLCHAIN_LAYOUT:
+            raise ToolchainMissing(f"toolchain at {directory} is an older layout; recreate it with {setup}")
         return cls(directory)
 
 
@@ -116,6 +233,7 @@ def setup_toolchain(directory: str | Path, *, python: str = sys.executable, quie
 def _install_toolchain(directory: Path, python: str, quiet: bool) -> Toolchain:
     site = directory / "site"
     directory.mkdir(parents=True, exist_ok=True)
+    (directory / "toolchain.json").unlink(missing_ok=True)
     command = [
         python,
         "-m",
@@ -126,22 +244,279 @@ def _install_toolchain(directory: Path, python: str, quiet: bool) -> Toolchain:
         "--target",
         str(site),
     ]
-    subprocess.run(
-        [*command, *(["-q"] if quiet else []), "--upgrade", *PINNED_REQUIREMENTS],
-        check=True,
-    )
+    subprocess.run([*command, *(["-q"] if quiet else []), "--upgrade", *PINNED_REQUIREMENTS], check=True)
     # Precompile so a read-only mount still imports quickly; bytecode is never written at run time.
     subprocess.run([python, "-m", "compileall", "-q", str(site)], check=False, stdout=subprocess.DEVNULL)
     (directory / "run_pytest.py").write_text(_LAUNCHER)
+    (directory / EMPTY_INI).write_text("[pytest]\n")
     (directory / "bin").mkdir(exist_ok=True)
     shim = directory / "bin" / "pytest"
-    shim.write_text(f'#!/bin/sh\nexec {SANDBOX_PYTHON} -P -s {TOOLCHAIN_MOUNT}/run_pytest.py "$@"\n')
+    shim.write_text(_SHIM)
     shim.chmod(0o755)
     for path in [directory, *directory.rglob("*")]:  # readable by the sandboxes' unprivileged uids
         if not path.is_symlink():
             path.chmod(path.stat().st_mode | (0o555 if path.is_dir() else 0o444))
-    (directory / "toolchain.json").write_text(json.dumps({"requirements": list(PINNED_REQUIREMENTS)}))
+    (directory / "toolchain.json").write_text(
+        json.dumps({"requirements": list(PINNED_REQUIREMENTS), "layout": TOOLCHAIN_LAYOUT})
+    )
     return Toolchain(directory)
+
+
+# ------------------------------------------------------------------------------------------------
+# The verifier's interpreter
+
+
+class RuntimeNotFound(RuntimeError):
+    """Neither the image nor the host has a program the verifier can run from a pristine copy."""
+
+
+@dataclass(frozen=True)
+class PristineProgram:
+    """A program of a read-only root, run through that root's own dynamic loader. Paths are as the
+    verifier sees them (under `IMAGE_MOUNT` or `HOST_MOUNT`); `loader` is None for a static binary."""
+
+    program: str
+    loader: str | None
+    library_path: str
+
+    def argv(self, *args: str) -> tuple[str, ...]:
+        if self.loader is None:
+            return (self.program, *args)
+        return (self.loader, "--library-path", self.library_path, self.program, *args)
+
+
+@dataclass(frozen=True)
+class VerifierRuntime:
+    """The interpreters the verifier uses and where they came from.
+
+    `python_home` is PYTHONHOME for `python` (in the verifier's view); `site_dirs` the container
+    paths of that interpreter's site directories, which the launcher adds pristine-then-live;
+    `image_root` the mount the pristine copies are under ('' for a remote container's own
+    interpreter); `host_mounts` the (host path, mount point) pairs the fallback needs."""
+
+    python: PristineProgram | None
+    python_home: str
+    python_version: tuple[int, int] | None
+    site_dirs: tuple[str, ...]
+    bash: PristineProgram | None
+    image_root: str
+    note: str
+    host_mounts: tuple[tuple[str, str], ...] = ()
+
+    def python_flags(self) -> tuple[str, ...]:
+        flags = ["-S", "-s", "-B"]
+        if self.python_version and self.python_version >= (3, 11):
+            flags.append("-P")
+        return tuple(flags)
+
+    def env(self) -> dict[str, str]:
+        if self.python is None:
+            return {}
+        return {
+            "T1JAX_PYTHON": self.python.program,
+            "T1JAX_LOADER": self.python.loader or "",
+            "T1JAX_LIBRARY_PATH": self.python.library_path,
+            "T1JAX_PYTHONHOME": self.python_home,
+            "T1JAX_PYTHON_FLAGS": " ".join(self.python_flags()),
+            "T1JAX_SITE_DIRS": ":".join(self.site_dirs),
+            "T1JAX_IMAGE_ROOT": self.image_root,
+        }
+
+
+_LIBRARY_DIRS = (
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib/x86_64-linux-gnu",
+    "/lib64",
+    "/usr/lib64",
+    "/lib",
+    "/usr/lib",
+    "/usr/local/lib",
+)
+_MAX_LINKS = 40
+
+
+def resolve_in_root(root: Path, path: str) -> str | None:
+    """`path` with every symlink followed as if `root` were `/` (absolute targets stay inside it);
+    the result is a path inside the root ('/usr/bin/python3.13'), or None if it does not exist."""
+    parts = [p for p in PurePosixPath(path).parts if p != "/"]
+    resolved: list[str] = []
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        host = root.joinpath(*resolved, part)
+        if host.is_symlink():
+            hops += 1
+            if hops > _MAX_LINKS:
+                return None
+            target = os.readlink(host)
+            if target.startswith("/"):
+                resolved = []
+            parts = [p for p in PurePosixPath(target).parts if p != "/"] + parts
+            continue
+        if not host.exists() and not host.is_symlink():
+            return None
+        resolved.append(part)
+    return "/" + "/".join(resolved)
+
+
+def _elf_interpreter(binary: Path) -> str | None:
+    """The PT_INTERP path of a 64-bit little-endian ELF file, None for a static binary; raises
+    ValueError for anything else (a script, another architecture)."""
+    with open(binary, "rb") as handle:
+        header = handle.read(64)
+        if header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
+            raise ValueError(f"{binary} is not a 64-bit little-endian ELF file")
+        (phoff,) = struct.unpack_from("<Q", header, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", header, 0x36)
+        for index in range(phnum):
+            handle.seek(phoff + index * phentsize)
+            (kind,) = struct.unpack("<I", handle.read(4))
+            if kind == 3:  # PT_INTERP
+                handle.seek(phoff + index * phentsize + 8)
+                (offset,) = struct.unpack("<Q", handle.read(8))
+                handle.seek(phoff + index * phentsize + 32)
+                (size,) = struct.unpack("<Q", handle.read(8))
+                handle.seek(offset)
+                return handle.read(size).rstrip(b"\0").decode()
+    return None
+
+
+def _pristine_program(root: Path, mount: str, path: str) -> PristineProgram | None:
+    real = resolve_in_root(root, path)
+    if real is None or not root.joinpath(real.lstrip("/")).is_file():
+        return None
+    try:
+        interpreter = _elf_interpreter(root / real.lstrip("/"))
+    except (OSError, ValueError):
+        return None
+    libraries = []
+    for directory in _LIBRARY_DIRS:
+        resolved = resolve_in_root(root, directory)
+        if resolved and root.joinpath(resolved.lstrip("/")).is_dir():
+            libraries.append(mount + resolved)
+    library_path = ":".join(dict.fromkeys(libraries))
+    if interpreter is None:
+        return PristineProgram(mount + real, None, library_path)
+    loader = resolve_in_root(root, interpreter)
+    if loader is None:
+        return None
+    return PristineProgram(mount + real, mount + loader, library_path)
+
+
+def _find_python(root: Path, mount: str, search_path: str):
+    """(program, PYTHONHOME, version, site dirs) of the first python3 on `search_path` in `root`."""
+    for directory in [d for d in search_path.split(":") if d.startswith("/")]:
+        for name in ("python3", "python"):
+            candidate = f"{directory.rstrip('/')}/{name}"
+            program = _pristine_program(root, mount, candidate)
+            if program is None:
+                continue
+            real = program.program[len(mount) :]
+            prefix = str(PurePosixPath(real).parent.parent)
+            found = sorted(root.joinpath(prefix.lstrip("/"), "lib").glob("python3.*/os.py"))
+            if not found:
+                continue
+            version = tuple(int(v) for v in found[-1].parent.name[len("python") :].split("."))[:2]
+            if version < MIN_PYTHON:
+                continue
+            x_y = f"{version[0]}.{version[1]}"
+            sites = [
+                f"{prefix}/lib/python{x_y}/site-packages",
+                f"{prefix}/local/lib/python{x_y}/dist-packages",
+                f"{prefix}/lib/python3/dist-packages",
+                f"/usr/local/lib/python{x_y}/dist-packages",
+                f"/root/.local/lib/python{x_y}/site-packages",
+            ]
+            venv = PurePosixPath(candidate).parent.parent
+            config = root / str(venv).lstrip("/") / "pyvenv.cfg"
+            if config.is_file():  # a virtual environment on the image's PATH (e.g. /opt/venv)
+                venv_site = f"{venv}/lib/python{x_y}/site-packages"
+                system = re.search(
+                    r"include-system-site-packages\s*=\s*true", config.read_text(errors="replace")
+                )
+                sites = [venv_site, *sites] if system else [venv_site]
+            return program, mount + prefix, version, tuple(dict.fromkeys(sites))
+    return None
+
+
+def find_runtime(image_root: Path, *, search_path: str, host_root: Path = Path("/")) -> VerifierRuntime:
+    """The verifier's interpreters for an image whose pristine root is the host directory
+    `image_root` (mounted at `IMAGE_MOUNT` for the verifier): its python3 (found on the image's
+    `search_path`) and bash, else the host's (from `host_root`/usr, mounted at `HOST_MOUNT`/usr)."""
+    image_root = Path(image_root)
+    bash = next(
+        (
+            p
+            for p in (_pristine_program(image_root, IMAGE_MOUNT, b) for b in ("/bin/bash", "/usr/bin/bash"))
+            if p is not None
+        ),
+        None,
+    )
+    found = _find_python(image_root, IMAGE_MOUNT, search_path)
+    notes = []
+    host_mounts: list[tuple[str, str]] = []
+    if found is not None:
+        python, home, version, sites = found
+        notes.append(f"python {version[0]}.{version[1]} of the image ({python.program[len(IMAGE_MOUNT) :]})")
+    else:
+        host = _find_python(Path(host_root), HOST_MOUNT, "/usr/bin:/usr/local/bin")
+        if host is None:
+            raise RuntimeNotFound("no python3 >= 3.9 in the image or on the host for the pinned pytest")
+        python, home, version, _ = host
+        sites = ()
+        host_mounts.append((str(Path(host_root) / "usr"), f"{HOST_MOUNT}/usr"))
+        notes.append(f"the host's python {version[0]}.{version[1]} (the image has no python3 >= 3.9)")
+    if bash is None:
+        bash = _pristine_program(Path(host_root), HOST_MOUNT, "/usr/bin/bash")
+        if bash is None:
+            raise RuntimeNotFound("no bash in the image or on the host for the test script")
+        if not host_mounts:
+            host_mounts.append((str(Path(host_root) / "usr"), f"{HOST_MOUNT}/usr"))
+        notes.append("the host's bash (the image has none)")
+    return VerifierRuntime(
+        python=python,
+        python_home=home,
+        python_version=version,
+        site_dirs=sites,
+        bash=bash,
+        image_root=IMAGE_MOUNT,
+        note="; ".join(notes),
+        host_mounts=tuple(host_mounts),
+    )
+
+
+def ensure_directory(root: Path, relative: str, *, uid: int = 0, gid: int = 0) -> Path:
+    """Make `relative` (e.g. "logs/verifier") a real directory inside the host directory `root` (a
+    sandbox's live root), replacing any symlink or file the agent put on the way, so a bind mount
+    onto it lands where it should. Components are checked with lstat: no agent symlink is followed."""
+    current = Path(root)
+    for part in PurePosixPath(relative).parts:
+        current = current / part
+        try:
+            mode = os.lstat(current).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and not stat.S_ISDIR(mode):
+            os.unlink(current)  # a symlink, file, fifo...: the agent's, replaced
+            mode = None
+        if mode is None:
+            os.mkdir(current, 0o755)
+            os.lchown(current, uid, gid)
+    return current
+
+
+def in_container_runtime() -> VerifierRuntime:
+    """For a remote container without a pristine copy of its image (Kubernetes, Modal): the
+    container's own bash and python3, found on its PATH (the agent could have replaced them)."""
+    return VerifierRuntime(
+        None, "", None, (), None, "", "the container's own python3 and bash (not pristine)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -206,20 +581,47 @@ class VerifierPlan:
     note: str
 
 
-def pytest_report_options() -> list[str]:
+def pytest_ini(task: Task) -> str:
+    """The pytest config the verifier passes with `-c`: the tests directory's own, else an empty one."""
+    for name in _INI_FILES:
+        path = task.tests_dir / name
+        if path.is_file():
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if (
+                name in ("pytest.ini", ".pytest.ini")
+                or "[tool:pytest]" in text
+                or "[pytest]" in text
+                or ("[tool.pytest.ini_options]" in text)
+            ):
+                return f"{TESTS_DIR}/{name}"
+    return f"{TOOLCHAIN_MOUNT}/{EMPTY_INI}"
+
+
+def pytest_common_options(task: Task) -> list[str]:
+    """Options every pytest version understands (what `PYTEST_ADDOPTS` may carry to any pytest)."""
     return [
         "-rA",
         "-p",
         "no:cacheprovider",
+        "-c",
+        pytest_ini(task),
         f"--rootdir={TESTS_DIR}",
         f"--confcutdir={TESTS_DIR}",
         f"--junitxml={REPORT_DIR}/junit.xml",
-        f"--ctrf={REPORT_DIR}/ctrf.json",
     ]
 
 
-def plan_verifier(task: Task, base_env: Mapping[str, str]) -> VerifierPlan:
-    """Decide how to run `task`'s tests (see the module docstring for the rule)."""
+def pytest_report_options(task: Task) -> list[str]:
+    """What the pinned pytest runs with (its shim adds `-p ctrf.main`)."""
+    return [*pytest_common_options(task), f"--ctrf={REPORT_DIR}/ctrf.json"]
+
+
+def plan_verifier(
+    task: Task, base_env: Mapping[str, str], runtime: VerifierRuntime | None = None
+) -> VerifierPlan:
+    """Decide how to run `task`'s tests (see the module docstring for the rule). `runtime` None
+    means the container's own interpreters (`in_container_runtime`)."""
+    runtime = runtime or in_container_runtime()
     script_name = task.test_script.name
     script_path = (task.tests_dir if task.layout == TaskLayout.HARBOR else task.source_dir) / task.test_script
     script_text = script_path.read_text(encoding="utf-8", errors="replace")
@@ -231,32 +633,49 @@ def plan_verifier(task: Task, base_env: Mapping[str, str]) -> VerifierPlan:
         "PYTEST_DEBUG_TEMPROOT": VERIFIER_TMP,
         "PYTHONNOUSERSITE": "1",
         "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTEST_ADDOPTS": shlex.join(pytest_report_options()),
+        **runtime.env(),
     }
-    env.pop("PYTEST_PLUGINS", None)
+    for name in _AGENT_ONLY_VARIABLES:
+        if name in base_env:
+            env.pop(name, None)
     code = "\n".join(re.sub(r"(^|\s)#.*$", "", line) for line in script_text.splitlines())  # drop comments
     network_use = _NETWORK_COMMAND.search(code)
-    if network_use is None:
-        argv = ("/bin/bash", "--noprofile", "--norc", f"{TESTS_DIR}/{script_name}")
-        return VerifierPlan(argv, env, "script", f"ran {script_name} (it needs no downloads)")
-    test_files = _pytest_files(task, code)
-    if not test_files:
-        argv = ("/bin/bash", "--noprofile", "--norc", f"{TESTS_DIR}/{script_name}")
-        tool = network_use.group(0).strip()
-        note = f"ran {script_name} although it uses {tool!r}: no pytest files to run directly"
-        return VerifierPlan(argv, env, "script", note)
-    env.pop("PYTEST_ADDOPTS")
-    argv = (
-        SANDBOX_PYTHON,
-        "-P",
-        "-s",
-        f"{TOOLCHAIN_MOUNT}/run_pytest.py",
-        *pytest_report_options(),
+    test_files = _pytest_files(task, code) if network_use else []
+    if network_use is None or not test_files:
+        env["PYTEST_ADDOPTS"] = shlex.join(pytest_common_options(task))
+        pytest_options = f"-p {CTRF_PLUGIN} --ctrf={REPORT_DIR}/ctrf.json"
+        env["T1JAX_PYTEST_OPTIONS"] = pytest_options
+        if runtime.python is not None:
+            env["BASH_FUNC_pytest%%"] = env["BASH_FUNC_py.test%%"] = _PYTEST_FUNCTION.replace(
+                f"-p {CTRF_PLUGIN} ", f"{pytest_options} "
+            )
+            for name in ("python3", "python"):
+                env[f"BASH_FUNC_{name}%%"] = _PYTHON_FUNCTION.format(name=name)
+        bash_args = ("--noprofile", "--norc", f"{TESTS_DIR}/{script_name}")
+        argv = runtime.bash.argv(*bash_args) if runtime.bash else ("/bin/bash", *bash_args)
+        if network_use is None:
+            note = f"ran {script_name} (it needs no downloads)"
+        else:
+            note = (
+                f"ran {script_name} although it uses {network_use.group(0).strip()!r}: "
+                "no pytest files to run directly"
+            )
+        return VerifierPlan(argv, env, "script", f"{note}; verifier interpreter: {runtime.note}")
+    options = (
+        *pytest_report_options(task),
+        "-p",
+        CTRF_PLUGIN,
         *(f"{TESTS_DIR}/{name}" for name in test_files),
     )
+    if runtime.python is not None:
+        env["PYTHONHOME"] = runtime.python_home
+        env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+        argv = runtime.python.argv(*runtime.python_flags(), f"{TOOLCHAIN_MOUNT}/run_pytest.py", *options)
+    else:
+        argv = (f"{TOOLCHAIN_MOUNT}/bin/pytest", *options)
     note = (
         f"ran pinned pytest on {', '.join(test_files)} instead of {script_name}, "
-        f"which uses {network_use.group(0).strip()!r}"
+        f"which uses {network_use.group(0).strip()!r}; verifier interpreter: {runtime.note}"
     )
     return VerifierPlan(argv, env, "pytest", note)
 
@@ -274,16 +693,23 @@ def _pytest_files(task: Task, script_text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="python -m sandbox_service.verifier", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--setup", action="store_true", help="install the pinned verifier toolchain")
     parser.add_argument("--toolchain-dir", type=Path, default=DEFAULT_TOOLCHAIN_DIR)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     args = parser.parse_args(argv)
     if not args.setup:
-        parser.print_help()
-        return 2
-    toolchain = setup_toolchain(args.toolchain_dir)
+        parser.error("nothing to do: pass --setup")
+    try:
+        toolchain = setup_toolchain(args.toolchain_dir)
+    except (OSError, subprocess.CalledProcessError) as error:
+        if args.debug:
+            raise
+        print(f"python -m sandbox_service.verifier: installing the toolchain failed: {one_line(error)}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_BAD_INPUT
     print(f"verifier toolchain ready at {toolchain.directory} ({', '.join(PINNED_REQUIREMENTS)})")
     return 0
 

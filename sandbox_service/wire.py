@@ -174,6 +174,8 @@ def task_to_json(task: Task, root: Path | None = None) -> dict[str, Any]:
             "storage_mb": env.storage_mb,
             "allow_internet": env.allow_internet,
             "env": dict(env.env),
+            "workdir_from": env.workdir_from,
+            "gpus": env.gpus,
         },
         "tests_dir": _path_to_json(task.tests_dir, root, "tests_dir"),
         "test_script": _path_to_json(task.test_script, root, "test_script"),
@@ -183,6 +185,8 @@ def task_to_json(task: Task, root: Path | None = None) -> dict[str, Any]:
         "tags": list(task.tags),
         "parser_name": task.parser_name,
         "limits": limits_to_json(task.limits),
+        "solution_env": dict(task.solution_env),
+        "verifier_env": dict(task.verifier_env),
     }
 
 
@@ -226,6 +230,14 @@ def _enum(cls: type, value: Any, where: str) -> Any:
         raise BadRequest(f"{where} = {value!r} is not one of: {allowed}") from None
 
 
+def _string_map(value: Any, where: str) -> dict[str, str]:
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise BadRequest(f"{where} must map strings to strings")
+    return dict(value)
+
+
 def task_from_json(data: Any, root: Path) -> Task:
     """Decode a task whose directory lives at root; checks the `Task` invariants that concern files
     (tests directory and test script present) and values (non-empty instruction, positive limits)."""
@@ -233,11 +245,10 @@ def task_from_json(data: Any, root: Path) -> Task:
         raise BadRequest("task must be a JSON object")
     root = Path(root)
     env_data = _require(data, "environment", Mapping, "task")
-    env_vars = env_data.get("env", {})
-    if not isinstance(env_vars, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()
-    ):
-        raise BadRequest("task.environment.env must map strings to strings")
+    env_vars = _string_map(env_data.get("env", {}), "task.environment.env")
+    gpus = env_data.get("gpus", 0)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        raise BadRequest(f"task.environment.gpus must be a non-negative integer, got {gpus!r}")
     environment = EnvironmentSpec(
         dockerfile=_path_from_json(env_data.get("dockerfile"), root, "environment.dockerfile"),
         docker_image=env_data.get("docker_image"),
@@ -247,7 +258,9 @@ def task_from_json(data: Any, root: Path) -> Task:
         memory_mb=int(_require(env_data, "memory_mb", int, "task.environment")),
         storage_mb=int(_require(env_data, "storage_mb", int, "task.environment")),
         allow_internet=bool(_require(env_data, "allow_internet", bool, "task.environment")),
-        env=dict(env_vars),
+        env=env_vars,
+        workdir_from=str(env_data.get("workdir_from", "default")),
+        gpus=gpus,
     )
     tags = data.get("tags", [])
     if not isinstance(tags, list) or not all(isinstance(tag, str) for tag in tags):
@@ -268,6 +281,8 @@ def task_from_json(data: Any, root: Path) -> Task:
         tags=tuple(tags),
         parser_name=str(data.get("parser_name", "pytest")),
         limits=limits_from_json(_require(data, "limits", Mapping, "task"), "task.limits"),
+        solution_env=_string_map(data.get("solution_env", {}), "task.solution_env"),
+        verifier_env=_string_map(data.get("verifier_env", {}), "task.verifier_env"),
     )
     if not task.task_id.strip():
         raise BadRequest("task.task_id is empty")
@@ -322,6 +337,7 @@ def verifier_report_to_json(report: VerifierReport) -> dict[str, Any]:
         "binary_outcome": report.binary_outcome,
         "reward_value": report.reward_value,
         "detail": report.detail,
+        "output_tail": report.output_tail,
     }
 
 
@@ -335,4 +351,5 @@ def verifier_report_from_json(data: Mapping[str, Any]) -> VerifierReport:
         binary_outcome=data["binary_outcome"],
         reward_value=data.get("reward_value"),
         detail=data.get("detail", ""),
+        output_tail=data.get("output_tail", ""),
     )

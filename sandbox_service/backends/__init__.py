@@ -1,7 +1,9 @@
 """Sandbox backends, by name: each is a `SandboxProvider` (see `sandbox_service.contracts`).
 
-`local` (bubblewrap on this host, `backends/local.py`) is the default and the one the test suite
-runs for real. Other backends register a `"module:Class"` target with `register_backend`, so that
+`local` (bubblewrap on this host, `backends/local.py`) is the default; `container` (podman on this
+host, `backends/podman.py`) runs each trial in a real OCI container built from the task's
+Dockerfile. The test suite runs both for real. Other backends register a `"module:Class"`
+target with `register_backend`, so that
 importing this package never imports a backend's heavy dependencies (kubernetes, modal).
 
 Invariant: `create_provider(name, **options)` returns an object satisfying `SandboxProvider`
@@ -18,6 +20,7 @@ from sandbox_service.contracts import SandboxProvider
 DEFAULT_BACKEND = "local"
 _BACKENDS: dict[str, str] = {
     "local": "sandbox_service.backends.local:LocalBackend",
+    "container": "sandbox_service.backends.podman:PodmanBackend",
     "kubernetes": "sandbox_service.backends.kubernetes:KubernetesBackend",
     "modal": "sandbox_service.backends.modal:ModalBackend",
 }

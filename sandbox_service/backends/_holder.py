@@ -8,7 +8,12 @@ unprivileged uid, prints one JSON line (`{"ok": true, "pid": ..., "child": {...}
 
 `python -I _holder.py --reap-exec PROCS... -- ARGV...` is the short-lived variant used for the
 verifier: it runs ARGV (joined to the cgroups whose `cgroup.procs` files are PROCS) with inherited
-stdio and exits with its status.
+stdio and file descriptors and exits with its status.
+
+The `userns` op makes a user namespace mapping `count` ids from host id `base` (uid and gid 0 inside
+is host `base`), owned by `base`, and keeps it alive with a child that waits for the holder to end;
+the reply's `userns` names that child's pid, so `/proc/<pid>/ns/user` can be handed to bwrap's
+`--userns`. (bwrap itself can map only one id; a sandbox needs the whole range for normal uids.)
 
 Both are child subreapers: bwrap's in-sandbox init outlives bwrap's outer process, so without a
 subreaper it would become a zombie of the host's pid 1, which may never reap it.
@@ -40,6 +45,7 @@ MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
 PR_SET_CHILD_SUBREAPER = 36
+CLONE_NEWUSER = 0x10000000
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -80,12 +86,57 @@ def _chown_tree(path: str, uid: int, gid: int) -> None:
             os.lchown(os.path.join(directory, name), uid, gid)
 
 
+def _make_userns(base: int, count: int) -> int:
+    """Fork a child that owns a new user namespace mapping [0, count) to [base, base + count) and
+    stays until this process exits; return its pid."""
+    ready_read, ready_write = os.pipe()
+    hold_read, hold_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the keeper: no Python beyond these calls
+        try:
+            os.close(ready_read)
+            os.close(hold_write)
+            os.setresgid(base, base, base)
+            os.setresuid(base, base, base)
+            if _libc.unshare(CLONE_NEWUSER) != 0:
+                os._exit(3)
+            os.write(ready_write, b"x")
+            os.read(hold_read, 1)  # EOF when the holder is gone
+        finally:
+            os._exit(0)
+    os.close(ready_write)
+    os.close(hold_read)
+    if os.read(ready_read, 1) != b"x":
+        raise OSError("the user-namespace keeper could not unshare its user namespace")
+    os.close(ready_read)
+    for name in ("uid_map", "gid_map"):
+        with open(f"/proc/{pid}/{name}", "w") as handle:
+            handle.write(f"0 {base} {count}\n")
+    _KEEPERS.append(hold_write)  # kept open (not inheritable) for the holder's lifetime
+    return pid
+
+
+_KEEPERS: list[int] = []
+_USERNS: dict[str, int] = {}
+
+
 def _apply(op: dict) -> None:
     kind = op["op"]
+    if kind == "userns":
+        _USERNS[op["name"]] = _make_userns(op["base"], op["count"])
+        return
     if kind == "mkdir":
-        os.makedirs(op["path"], exist_ok=True)
-        os.chmod(op["path"], op.get("mode", 0o755))
-        os.lchown(op["path"], op.get("uid", 0), op.get("gid", 0))
+        path = op["path"]
+        if op.get("exist_ok") and os.path.isdir(path):
+            return  # keep what the environment has there
+        created, parent = [], path
+        while not os.path.lexists(parent):
+            created.append(parent)
+            parent = os.path.dirname(parent)
+        os.makedirs(path, exist_ok=True)
+        os.chmod(path, op.get("mode", 0o755))
+        for directory in created or [path]:  # every directory it made gets the owner
+            os.lchown(directory, op.get("uid", 0), op.get("gid", 0))
     elif kind == "file":
         with open(op["path"], "w") as handle:
             handle.write(op.get("content", ""))
@@ -121,8 +172,15 @@ def _spawn(spec: dict) -> tuple[subprocess.Popen, dict]:
     """
     info_read, info_write = os.pipe()
     ready_read, ready_write = os.pipe()
+    pass_fds = [info_write, ready_write]
+    userns_fd = None
+    if spec.get("userns"):
+        userns_fd = os.open(f"/proc/{_USERNS[spec['userns']]}/ns/user", os.O_RDONLY)
+        pass_fds.append(userns_fd)
     argv = [
-        arg.replace("{info_fd}", str(info_write)).replace("{ready_fd}", str(ready_write))
+        arg.replace("{info_fd}", str(info_write))
+        .replace("{ready_fd}", str(ready_write))
+        .replace("{userns_fd}", str(userns_fd))
         for arg in spec["argv"]
     ]
     uid, gid = spec.get("uid"), spec.get("gid")
@@ -142,11 +200,13 @@ def _spawn(spec: dict) -> tuple[subprocess.Popen, dict]:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        pass_fds=(info_write, ready_write),
+        pass_fds=tuple(pass_fds),
         preexec_fn=enter_cgroups_and_drop_privileges,
     )
     os.close(info_write)
     os.close(ready_write)
+    if userns_fd is not None:
+        os.close(userns_fd)
     with os.fdopen(info_read, "rb") as info:
         raw = info.read()  # bwrap closes the info fd after writing it (or exits on failure)
     with os.fdopen(ready_read, "rb") as ready:
@@ -205,7 +265,7 @@ def reap_exec(args: list[str]) -> int:
     separator = args.index("--")
     procs_files, argv = args[:separator], args[separator + 1 :]
     _become_subreaper()
-    child = subprocess.Popen(argv, preexec_fn=lambda: _join_cgroups(procs_files))
+    child = subprocess.Popen(argv, preexec_fn=lambda: _join_cgroups(procs_files), close_fds=False)
     status = child.wait()
     while True:  # orphans of the child (its namespace's init) are ours now
         try:
@@ -232,7 +292,9 @@ def main() -> int:
                 child.wait(timeout=10)
                 error = child.stderr.read().decode(errors="replace").strip() if child.stderr else ""
                 raise RuntimeError(f"bwrap failed to start (exit {child.returncode}): {error}")
-        print(json.dumps({"ok": True, "pid": os.getpid(), "child": child_info}), flush=True)
+        print(
+            json.dumps({"ok": True, "pid": os.getpid(), "child": child_info, "userns": _USERNS}), flush=True
+        )
     except Exception as error:  # reported to the service, which raises it with context
         print(json.dumps({"ok": False, "error": f"{type(error).__name__}: {error}"}), flush=True)
         if child is not None and child.poll() is None:
@@ -245,6 +307,8 @@ def main() -> int:
         if readable and not stdin.read(4096):
             break
     _kill_sandbox(config.get("spawn") or {}, child, child_info)
+    for hold in _KEEPERS:  # the user-namespace keepers see EOF and exit
+        os.close(hold)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         try:

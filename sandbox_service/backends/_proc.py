@@ -85,10 +85,13 @@ def run_captured(
     on_timeout: Callable[[subprocess.Popen], None],
     cwd: str | None = None,
     drain_after_exit_sec: float = 0.05,
+    pass_fds: Sequence[int] = (),
+    on_start: Callable[[subprocess.Popen], None] | None = None,
 ) -> CapturedRun:
     """Run `argv` in a new session, capturing bounded stdout/stderr, killing it at the deadline.
 
     `on_timeout(proc)` must kill the command's process tree; it is called once, at the deadline.
+    `on_start(proc)` is called once the process exists (e.g. to record its session for a later kill).
     """
     started = time.monotonic()
     deadline = started + max(0.0, timeout_sec)
@@ -100,7 +103,10 @@ def run_captured(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
+        pass_fds=tuple(pass_fds),
     )
+    if on_start is not None:
+        on_start(proc)
     buffers = {
         proc.stdout: BoundedBuffer(head_bytes, tail_bytes),
         proc.stderr: BoundedBuffer(head_bytes, tail_bytes),
@@ -215,6 +221,7 @@ class HolderProcess:
         self.proc = proc
         self.pid: int = reply["pid"]
         self.child: dict = reply.get("child") or {}
+        self.userns: dict[str, int] = reply.get("userns") or {}  # name -> pid of its keeper
 
     @classmethod
     def start(cls, unshare: str, ops: Sequence[dict], spawn: dict | None = None) -> HolderProcess:
@@ -270,6 +277,7 @@ def require_tool(name: str) -> str:
     path = shutil.which(name, path=DEFAULT_PATH)
     if path is None:
         raise SandboxError(
-            f"the local sandbox backend needs `{name}` on the host (apt-get install bubblewrap util-linux)"
+            f"the local sandbox backend needs `{name}` on the host (apt-get install bubblewrap util-linux; "
+            "`make setup` does it)"
         )
     return path

@@ -36,12 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandbox_service import reports
+from sandbox_service.backends._proc import DEFAULT_PATH
 from sandbox_service.contracts import ExecResult, FailureCause, Task, TerminalRead, VerifierReport
-from sandbox_service.envbuild import DEFAULT_PATH
 from sandbox_service.errors import BackendError, BadRequest, SandboxClosed, SandboxStateError
 from sandbox_service.verifier import (
     REPORT_DIR,
-    SANDBOX_PYTHON,
     TESTS_DIR,
     TOOLCHAIN_MOUNT,
     VERIFIER_TMP,
@@ -62,6 +61,7 @@ AGENT_LOG_DIR = "/logs/agent"
 DEFAULT_OUTPUT_LIMIT_BYTES = 64 * 1024
 # The verifier's console output is parsed (pytest's summary comes last): keep much more of it.
 VERIFIER_OUTPUT_LIMIT_BYTES = 4 * 1024 * 1024
+VERIFIER_OUTPUT_TAIL_BYTES = 8 * 1024  # what a VerifierReport keeps of it (output_tail)
 # Extra wall-clock a `run` gets beyond the command's own deadline before the caller gives up on
 # the transport (the in-container watchdog should always answer first).
 TRANSPORT_GRACE_SEC = 30.0
@@ -146,9 +146,18 @@ def parse_exec_output(
                 timed_out=True,
                 duration_sec=duration_sec,
             )
-        raise BackendError(
-            "the exec wrapper ended without its trailer (is bash/coreutils missing in the image?); "
-            f"stderr: {output.stderr[-2000:].decode('utf-8', 'replace')}"
+        # The wrapper died before reporting: it could not fork (the sandbox at its pids limit, e.g.
+        # a fork bomb still running), was OOM-killed, or the image lacks bash/coreutils. The command
+        # failed; the trial goes on, as a shell prompt would after "fork: retry".
+        transport = output.stderr[-2000:].decode("utf-8", "replace").strip()
+        return ExecResult(
+            stdout=output.stdout.decode("utf-8", "replace"),
+            stderr="[t1jax] the command's wrapper ended without reporting its result (the sandbox "
+            "may be out of processes or memory, or the image lacks bash/coreutils)"
+            + (f": {transport}" if transport else ""),
+            exit_code=None,
+            timed_out=False,
+            duration_sec=duration_sec,
         )
     fields = output.stdout[position + len(marker) :].split(b"\n", 1)[0].split()
     rc, timed, stdout_size, stderr_size = (int(value) for value in fields)
@@ -173,10 +182,12 @@ def terminal_script(keys: str, wait_sec: float, start_line: int, *, workdir: str
     q = shlex.quote
     send = f"tmux send-keys -t {TMUX_SESSION} -- {q(keys)}" if keys else ":"
     return f"""
-if ! tmux has-session -t {TMUX_SESSION} 2>/dev/null; then
+if ! tmux has-session -t {TMUX_SESSION} 2>/dev/null; then  # bash -i, not a login shell: /etc/profile
+  # would reset the image's ENV PATH
   cd {q(workdir)} 2>/dev/null || cd /
+  shell=$(command -v bash || echo sh)
   tmux start-server \\; set-option -g history-limit 50000 \\; \\
-    new-session -d -s {TMUX_SESSION} -x {TMUX_COLUMNS} -y {TMUX_ROWS} || exit 97
+    new-session -d -s {TMUX_SESSION} -x {TMUX_COLUMNS} -y {TMUX_ROWS} "$shell" || exit 97
 fi
 {send} || exit 98
 sleep {wait_sec:.3f}
@@ -307,26 +318,10 @@ exit 0
 """.encode()
 
 
-# The toolchain's pytest shim for images whose python3 is not /usr/bin/python3 (python:*-slim
-# images keep it in /usr/local/bin) or predates `-P` (Python < 3.11).
-REMOTE_PYTEST_SHIM = f"""#!/bin/sh
-python=$(command -v python3 || echo /usr/bin/python3)
-if "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-  exec "$python" -P -s {TOOLCHAIN_MOUNT}/run_pytest.py "$@"
-fi
-exec "$python" -s {TOOLCHAIN_MOUNT}/run_pytest.py "$@"
-""".encode()
-
-
 def remote_verifier_plan(task: Task) -> VerifierPlan:
-    """`verifier.plan_verifier` for a container: the same rule and report options as the local
-    backend, with the toolchain's python found on the container's PATH (via the shim)."""
-    env = {**REMOTE_BASE_ENV, **task.environment.env}
-    plan = plan_verifier(task, env)
-    launcher = (SANDBOX_PYTHON, "-P", "-s", f"{TOOLCHAIN_MOUNT}/run_pytest.py")
-    if plan.argv[: len(launcher)] == launcher:
-        plan = dataclasses.replace(plan, argv=(f"{TOOLCHAIN_MOUNT}/bin/pytest", *plan.argv[len(launcher) :]))
-    return plan
+    """`verifier.plan_verifier` for a container without a pristine copy of its image: the same rule
+    and report options as the other backends, on the container's own python3 and bash."""
+    return plan_verifier(task, {**REMOTE_BASE_ENV, **task.environment.env, **task.verifier_env})
 
 
 def require_toolchain(directory: Path) -> Toolchain:
@@ -364,8 +359,10 @@ class ContainerSandbox(abc.ABC):
     # ---- what a backend provides ---------------------------------------------------------------------
 
     @abc.abstractmethod
-    def _run(self, argv: list[str], stdin: bytes, timeout_sec: float) -> RunOutput:
-        """Run argv in the container with stdin; give up after timeout_sec (finished=False)."""
+    def _run(self, argv: list[str], stdin: bytes, timeout_sec: float, *, as_root: bool = False) -> RunOutput:
+        """Run argv in the container with stdin; give up after timeout_sec (finished=False).
+        `as_root`: as uid 0 rather than the image's user, where the backend can choose (the service's
+        own scripts need it; the agent's commands never get it)."""
 
     @abc.abstractmethod
     def _terminate(self) -> None:
@@ -374,7 +371,7 @@ class ContainerSandbox(abc.ABC):
     def prepare(self) -> None:
         """Create the directories Harbor tasks expect and fail fast if the image lacks bash."""
         script = f"mkdir -p {AGENT_LOG_DIR} {VERIFIER_LOG_DIR} {STATE_DIR} && echo T1JAX_READY\n".encode()
-        output = self._run(bootstrap_argv(script), script, 120.0)
+        output = self._run(bootstrap_argv(script), script, 120.0, as_root=True)
         if b"T1JAX_READY" not in output.stdout:
             detail = output.stderr[-1000:].decode("utf-8", "replace")
             raise BackendError(
@@ -396,11 +393,13 @@ class ContainerSandbox(abc.ABC):
     def closed(self) -> bool:
         return self._closed
 
-    def _checked_run(self, script: bytes, timeout_sec: float, action: str, payload: bytes = b"") -> RunOutput:
+    def _checked_run(
+        self, script: bytes, timeout_sec: float, action: str, payload: bytes = b"", *, as_root: bool = True
+    ) -> RunOutput:
         if self._closed:
             raise SandboxClosed(f"cannot {action}: sandbox {self._sandbox_id} is closed")
         try:
-            output = self._run(bootstrap_argv(script), script + payload, timeout_sec)
+            output = self._run(bootstrap_argv(script), script + payload, timeout_sec, as_root=as_root)
         except Exception as error:
             if self._closed:
                 raise SandboxClosed(f"{action} interrupted: sandbox {self._sandbox_id} was closed") from error
@@ -412,9 +411,14 @@ class ContainerSandbox(abc.ABC):
         return output
 
     def exec_raw(
-        self, command: str, timeout_sec: float, *, output_limit_bytes: int | None = None
+        self,
+        command: str,
+        timeout_sec: float,
+        *,
+        output_limit_bytes: int | None = None,
+        as_root: bool = False,
     ) -> ExecResult:
-        """`exec` without the agent-phase check (the verifier uses it)."""
+        """`exec` without the agent-phase check (the verifier uses it, as root)."""
         limit = output_limit_bytes or self.output_limit_bytes
         nonce = secrets.token_hex(8)
         script = exec_script(
@@ -425,7 +429,7 @@ class ContainerSandbox(abc.ABC):
             output_limit_bytes=limit,
         )
         started = time.monotonic()
-        output = self._checked_run(script, timeout_sec + TRANSPORT_GRACE_SEC, "exec")
+        output = self._checked_run(script, timeout_sec + TRANSPORT_GRACE_SEC, "exec", as_root=as_root)
         return parse_exec_output(
             output, nonce, output_limit_bytes=limit, duration_sec=time.monotonic() - started
         )
@@ -448,7 +452,7 @@ class ContainerSandbox(abc.ABC):
             workdir=self._task.environment.workdir,
             nonce=nonce,
         )
-        output = self._checked_run(script, wait_sec + TRANSPORT_GRACE_SEC, "send_keys")
+        output = self._checked_run(script, wait_sec + TRANSPORT_GRACE_SEC, "send_keys", as_root=False)
         return self._terminal.consume(output, nonce, output_limit_bytes=self.output_limit_bytes)
 
     def verify(self) -> VerifierReport:
@@ -472,9 +476,8 @@ class ContainerSandbox(abc.ABC):
                 detail = "tests differ from the task's after copying them in: " + ", ".join(problems[:10])
                 return VerifierReport((), False, FailureCause.TESTS_TAMPERED, None, None, detail)
             self.put_tree(
-                toolchain.directory, TOOLCHAIN_MOUNT, skip_dirs=frozenset({"__pycache__"}),
-                replace_files={"bin/pytest": REMOTE_PYTEST_SHIM}, gzip_level=6,
-            )  # fmt: skip
+                toolchain.directory, TOOLCHAIN_MOUNT, skip_dirs=frozenset({"__pycache__"}), gzip_level=6
+            )
             reset = (
                 f"rm -rf {VERIFIER_LOG_DIR} {VERIFIER_TMP} && mkdir -p {VERIFIER_LOG_DIR} {VERIFIER_TMP}\n"
             )
@@ -482,20 +485,25 @@ class ContainerSandbox(abc.ABC):
             plan = remote_verifier_plan(task)
             command = shlex.join(["env", "-i", *(f"{k}={v}" for k, v in plan.env.items()), *plan.argv])
             result = self.exec_raw(
-                command, task.limits.verifier_timeout_sec, output_limit_bytes=VERIFIER_OUTPUT_LIMIT_BYTES
+                command,
+                task.limits.verifier_timeout_sec,
+                output_limit_bytes=VERIFIER_OUTPUT_LIMIT_BYTES,
+                as_root=True,
             )
             with tempfile.TemporaryDirectory(prefix="t1jax-verifier-") as local_dir:
                 for name in (reports.JUNIT_FILE, reports.CTRF_FILE, reports.REWARD_TXT, reports.REWARD_JSON):
                     data = self.read_file(f"{VERIFIER_LOG_DIR}/{name}", reports.MAX_REPORT_BYTES + 1)
                     if data is not None:
                         (Path(local_dir) / name).write_bytes(data)
-                return reports.build_report(
+                output = result.stdout + "\n" + result.stderr
+                report = reports.build_report(
                     report_dir=Path(local_dir),
-                    output=result.stdout + "\n" + result.stderr,
+                    output=output,
                     exit_code=result.exit_code,
                     timed_out=result.timed_out,
                     detail=plan.note,
                 )
+                return dataclasses.replace(report, output_tail=output[-VERIFIER_OUTPUT_TAIL_BYTES:])
         except SandboxClosed:
             raise
         except BackendError as error:

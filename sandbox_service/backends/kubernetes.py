@@ -44,8 +44,9 @@ from sandbox_service.backends.container import (
     RunOutput,
     require_toolchain,
 )
-from sandbox_service.contracts import Task
+from sandbox_service.contracts import EnvironmentAudit, SkipReason, Task
 from sandbox_service.errors import BackendError
+from sandbox_service.fidelity import apply_common_rules
 from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR
 
 MANAGED_BY = "t1jax-sandbox-service"
@@ -256,6 +257,19 @@ class KubernetesBackend:
 
     # ---- SandboxProvider ---------------------------------------------------------------------------
 
+    def environment_audit(self, task: Task) -> EnvironmentAudit:
+        """The image the Pod runs (the task's own: the cluster pulls it, nothing stands in), or why
+        the task cannot run here (a Dockerfile-only task without an image registry)."""
+        base = (task.environment.docker_image,) if task.environment.docker_image else ()
+        try:
+            image = self.images.image_for(task)
+        except BackendError as error:
+            return EnvironmentAudit(
+                task.task_id, self.name, None, base, (), SkipReason.UNSUPPORTED_IMAGE, str(error)
+            )
+        audit = EnvironmentAudit(task.task_id, self.name, image, base, (), None, "pulled by the cluster")
+        return apply_common_rules(audit, task, internet_granted=task.environment.allow_internet)
+
     def create(self, task: Task, *, run_id: str = "default") -> KubernetesSandbox:
         require_toolchain(self.config.toolchain_dir)
         self._ensure_network_policy(task)
@@ -412,7 +426,8 @@ class KubernetesSandbox(ContainerSandbox):
         )
         self._backend = backend
 
-    def _run(self, argv: list[str], stdin: bytes, timeout_sec: float) -> RunOutput:
+    def _run(self, argv: list[str], stdin: bytes, timeout_sec: float, *, as_root: bool = False) -> RunOutput:
+        # The pod's container runs as its image user; exec cannot choose another (as_root is moot).
         return self._backend.exec_in_pod(self.sandbox_id, argv, stdin, timeout_sec)
 
     def _terminate(self) -> None:

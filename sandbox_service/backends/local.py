@@ -1,57 +1,55 @@
-"""Local backend: bubblewrap sandboxes on this host, isolated well enough for a hostile agent.
+"""Local backend: bubblewrap sandboxes on this host that behave like a container and hold a hostile agent.
 
 This module owns the `local` `SandboxProvider`: creating, driving, verifying and reclaiming
-sandboxes with bubblewrap, Linux namespaces and cgroup v1, without Docker.
+sandboxes with bubblewrap, Linux namespaces and cgroups (v1 or v2), without a container engine.
 
 Isolation design (one sandbox):
-- Identity. The sandbox runs in its own user namespace in which uid/gid 0 is mapped to one
-  unprivileged host uid/gid N picked for this sandbox (bwrap runs as N with `--unshare-user
-  --uid 0`). Inside, commands look like root and own their files; on the host they are uid N, so
-  every host file they can see belongs to an unmapped user: mode-600 files such as /etc/shadow are
-  unreadable, and nothing is writable without an explicit writable mount. All capabilities are
-  dropped (bwrap for its child; `setpriv --bounding-set=-all --no-new-privs` for each command
-  entered with nsenter), so setuid binaries gain nothing and mounts cannot be changed. Nested user
-  namespaces are not blocked (no seccomp filter here; bwrap's --disable-userns would also stop
-  nsenter from entering the sandbox's other namespaces).
-- Namespaces. Own pid namespace (`ps` shows only the sandbox; other sandboxes' and the host's
-  processes cannot be signalled or even named), ipc, uts (hostname `sandbox`), mount, and a network
-  namespace holding only loopback unless the task allows internet *and* the backend was created
-  with `allow_internet=True` (then the host network namespace is shared).
-- Filesystem. A holder process (`_holder.py`, root, in a private mount namespace of its own) builds
-  a staging tree under a tmpfs on `/run`: the root view is a read-only overlay of the task's built
-  environment layer over an overlay of the host root (`envbuild`), so only the root filesystem's
-  own content is visible (no host submounts such as /sys/fs/cgroup or /proc). Host top-level
-  entries outside bin/sbin/lib*/usr/etc/opt/var (e.g. /root, /home, /work with the repository,
-  /srv, /mnt, the service's cache) are replaced by empty read-only ones (or by what the task's
-  build put there). Writable and private to the sandbox: the task workdir (e.g. /app, seeded from
-  the build), /root, /tmp, /var/tmp and /logs - all on one tmpfs of the task's `storage_mb` (the
-  disk cap; its pages also count against the sandbox's memory limit) - plus 64 MiB tmpfs /run and
-  /dev/shm. /tests exists but is an empty read-only directory while the agent runs.
-- Resources. One cgroup per controller (memory, pids, freezer, cpu) per sandbox, nested under the
-  service's own cgroup: memory limit = task `memory_mb` (memory+swap too where available),
-  `pids.max` = backend `pids_max`, CPU quota = task `cpus`. Every process of the sandbox joins them
-  before it execs; no cgroupfs is mounted inside, so nothing can leave.
-- Processes. The holder spawns the sandbox's init (`bwrap ... sleep infinity`) into the cgroups and
-  waits until it reports ready (bwrap announces its pid before its mounts are done). Each `exec` is
-  a fresh `bash -lc` entered into the init's namespaces with nsenter (same pid namespace, mounts,
-  network, cgroups) in its own session; at the command's deadline the whole session is killed.
-  Background processes a command starts survive until `verify`/`close` (as in a container) or the
-  trial deadline. The holder is a child subreaper, so bwrap's namespace init never ends up a
-  zombie of the host's pid 1.
+- Identity. The sandbox runs in its own user namespace mapping uids and gids 0..65535 to host
+  `SANDBOX_UID_BASE` + 0..65535 (made by the holder, handed to bwrap with `--userns`). Inside,
+  root is uid 0 and `useradd`, `chown 1000`, `tar -x` of other users' files and setuid switches
+  (su, sudo, apt's `_apt`) work as in a container; on the host every one of those ids is
+  unprivileged and owns nothing outside the sandbox's own files. Commands run as the image's `USER`
+  (root by default) with Docker's default capability set (dropped with the image's own `setpriv`;
+  an agent that replaced it keeps every capability of its user namespace, which reaches nothing
+  beyond it). All sandboxes share that uid range (their root filesystems are pre-shifted copies of
+  the stand-in bases); they cannot name each other's processes (separate pid namespaces) or reach
+  each other's files (separate mount namespaces); per-uid kernel counters (inotify instances,
+  keyrings) are shared.
+- Namespaces. Own pid namespace (`ps` shows only the sandbox), ipc, uts (hostname `sandbox`), mount,
+  and a network namespace holding only loopback unless the task allows internet *and* the backend
+  was created with `allow_internet=True` (then the host network namespace is shared).
+- Filesystem. A holder process (`_holder.py`, root, in a private mount namespace of its own) mounts
+  the sandbox's root: a writable overlay whose lower layers are the task's built environment
+  (`envbuild`: Dockerfile layers over a Debian stand-in of its base image, never the host's root)
+  and whose upper layer lives on a tmpfs of the task's `storage_mb` (the disk cap, for every write
+  anywhere in the root; its pages also count against the sandbox's memory limit). So `/etc`,
+  `/usr/local`, `/opt`, `/var/log`, `/solution` are writable copy-on-write, as in a container.
+  `/dev/shm` is a 64 MiB tmpfs; /etc/hosts and /etc/hostname are the sandbox's own.
+- Resources. One cgroup (v2) or one per controller (v1: memory, pids, freezer, cpu) per sandbox,
+  nested under the service's own: memory limit = task `memory_mb` (memory+swap too), `pids.max` =
+  backend `pids_max`, CPU quota = task `cpus`. Every process of the sandbox joins before it execs.
+- Processes. The holder spawns the sandbox's init (`bwrap ... sh -c 'sleep infinity'`, or the
+  image's ENTRYPOINT with that as its command) into the cgroups and waits until it reports ready.
+  Each `exec` is a fresh `bash -c` (not a login shell: the image's ENV PATH survives) entered into
+  the init's namespaces with nsenter, in its own session; at the command's deadline the whole
+  session is killed. Background processes survive until `close` or the trial deadline, *also
+  through verification* (a service the task asked for keeps serving the verifier).
 - Interactive terminal. `send_keys` drives a tmux server started inside the sandbox (entered the
-  same way as `exec`), so typed commands are isolated exactly like `exec`.
-- Verification. `verify` SIGKILLs the sandbox's pid-namespace init and sweeps the cgroups (freeze,
-  kill, thaw), so nothing the agent started survives; copies the task's tests into a fresh
-  directory of the holder's staging tree (never mounted in the agent's view), checks them against
-  the checksums taken at `create`, replaces /logs/verifier with a fresh directory, and runs the
-  verifier as a new bwrap sandbox (new namespaces, same filesystem view, /tests read-only, the
-  pinned pytest toolchain read-only) under its own deadline. `sandbox_service.verifier` says what
-  it executes; `sandbox_service.reports` how its report is read.
-- Reclamation. `close` kills the cgroups' members, ends the holder (its mount namespace, and with
-  it every tmpfs and overlay of the sandbox, disappears), removes the cgroups and the state
-  directory. If the service dies, each holder sees EOF on its stdin and kills its sandbox by
-  itself; `reap` then removes the leftover cgroups and state (state records hold pids with start
-  times, cgroup paths and the run id).
+  same way as `exec`), running an interactive non-login bash.
+- Verification. `verify` copies the task's tests into a fresh directory of the holder's staging
+  tree, checks them against the checksums taken at `create`, and runs the verifier as a new bwrap
+  sandbox that shares the sandbox's network namespace (localhost reaches the agent's services) and
+  sees its live root, but has its own user namespace (same id mapping, so the agent's capabilities
+  do not reach it), mount namespace and pid namespace: /tests (read-only), /logs/verifier (fresh)
+  and the toolchain exist only there, and the interpreter is the environment's *pristine* copy
+  (mounted read-only; `verifier.find_runtime`), so nothing the agent replaced runs before the
+  tests. `sandbox_service.verifier` says what it executes; `sandbox_service.reports` how its
+  report is read.
+- Reclamation. `close` kills the cgroups' members, ends the holder (its mount namespace, and with it
+  every tmpfs and overlay of the sandbox, disappears), removes the cgroups and the state directory.
+  If the service dies, each holder sees EOF on its stdin and kills its sandbox by itself; `reap`
+  then removes the leftover cgroups and state (state records hold pids with start times, cgroup
+  paths and the run id).
 
 Invariants:
 - `LocalBackend` is safe to use from many threads; each `LocalSandbox` serializes its lifecycle
@@ -63,9 +61,9 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import random
 import shutil
 import stat
 import sys
@@ -77,50 +75,84 @@ from enum import Enum
 from pathlib import Path
 
 from sandbox_service.backends import _proc
-from sandbox_service.backends._cgroup import SandboxCgroups, remove_parents_if_empty
+from sandbox_service.backends._cgroup import CgroupHierarchy, CgroupUnavailable, SandboxCgroups
 from sandbox_service.backends._proc import DEFAULT_PATH, HOLDER_SCRIPT, HolderProcess, require_tool
+from sandbox_service.base_images import DEFAULT_STAND_IN_DIR, StandInStore, stand_in_for
 from sandbox_service.contracts import (
+    EnvironmentAudit,
     ExecResult,
     FailureCause,
+    ImageSubstitution,
     SandboxDeadlineExpired,
     SandboxError,
     SandboxLifecycleError,
+    SkipReason,
     Task,
     TerminalRead,
+    UnsupportedEnvironment,
     VerifierReport,
 )
 from sandbox_service.envbuild import (
-    PRIVATE_DIRS,
+    DOCKER_CAPABILITIES,
+    SANDBOX_UID_BASE,
+    SANDBOX_UID_COUNT,
     BuiltEnvironment,
     EnvironmentBuilder,
     check_environment,
-    host_masked_top_level,
+    resolve_user,
+    stack_file,
+    user_home,
 )
+from sandbox_service.fidelity import apply_common_rules
+from sandbox_service.host_trust import CA_MOUNT, host_ca_bundle, trust_env
 from sandbox_service.reports import build_report
 from sandbox_service.verifier import (
+    DEFAULT_TOOLCHAIN_SUBDIR,
+    IMAGE_MOUNT,
     TOOLCHAIN_MOUNT,
     VERIFIER_TMP,
     Toolchain,
     ToolchainMissing,
     diff_manifests,
+    ensure_directory,
+    find_runtime,
     manifest_of_sources,
     plan_verifier,
     task_tests_sources,
     tests_manifest,
 )
 
+BACKEND_NAME = "local"
 DEFAULT_CACHE_DIR = Path(".cache") / "sandbox_service"
-DEFAULT_TOOLCHAIN_SUBDIR = "verifier-toolchain"
-UID_BASE = 1_800_000_000
-UID_SPAN = 100_000_000
 STAGING = "/run/t1jax"
-TMUX_SOCKET = "/run/t1jax-tmux.sock"
+TMUX_SOCKET = "/tmp/.t1jax-tmux.sock"
 TMUX_SESSION = "main"
 TERMINAL_COLUMNS, TERMINAL_ROWS = 160, 40
+VERIFIER_OUTPUT_TAIL_BYTES = 8 * 1024
+LOG_DIRS = ("/logs/agent", "/logs/verifier", "/logs/artifacts")  # what Harbor gives every container
 _TMUX_KEYS = frozenset(
-    {"Enter", "Escape", "Tab", "BSpace", "Up", "Down", "Left", "Right", "Home", "End", "PageUp", "PageDown",
-     "Space", "DC", "IC", "NPage", "PPage", "BTab"}
-)  # fmt: skip
+    {
+        "Enter",
+        "Escape",
+        "Tab",
+        "BSpace",
+        "Up",
+        "Down",
+        "Left",
+        "Right",
+        "Home",
+        "End",
+        "PageUp",
+        "PageDown",
+        "Space",
+        "DC",
+        "IC",
+        "NPage",
+        "PPage",
+        "BTab",
+    }
+)
+_BOUNDING_SET = "-all," + ",".join("+" + cap.removeprefix("CAP_").lower() for cap in DOCKER_CAPABILITIES)
 
 
 class _State(Enum):
@@ -134,14 +166,18 @@ class _State(Enum):
 class LocalBackend:
     """`SandboxProvider` running bubblewrap sandboxes on this host (see the module docstring).
 
-    `cache_dir` holds built environments (`envs/`), sandbox state (`sandboxes/`) and, by default,
-    the verifier toolchain (`verifier-toolchain/`, created by `python -m sandbox_service.verifier
-    --setup`). `allow_internet=False` keeps every sandbox off the network whatever its task says;
-    `build_network` lets Dockerfile RUN steps reach package registries.
+    `cache_dir` holds built environments (`envs/`, `layers/`), sandbox state (`sandboxes/`) and, by
+    default, the verifier toolchain (created by `python -m sandbox_service.verifier --setup`);
+    stand-in base roots live in `stand_in_dir` (default: the user's shared
+    `base_images.DEFAULT_STAND_IN_DIR`). `allow_internet=False` keeps every sandbox off the network
+    whatever its task says; `build_network` lets Dockerfile RUN steps reach package registries.
 
-    Needs root on a host with cgroup v1 memory/pids/freezer/cpu controllers, bubblewrap >= 0.8 and
-    util-linux (nsenter, setpriv, unshare); `send_keys` needs tmux in the environment.
+    Needs root on a host with cgroup v1 (memory, pids, freezer, cpu) or cgroup v2 (memory, pids),
+    bubblewrap >= 0.8, util-linux (nsenter, setpriv, unshare) and, to build stand-in bases,
+    mmdebstrap; `send_keys` needs tmux in the environment (every stand-in has it).
     """
+
+    name = BACKEND_NAME
 
     def __init__(
         self,
@@ -154,8 +190,10 @@ class LocalBackend:
         max_output_bytes: int = 1 << 20,
         terminal_read_bytes: int = 10_000,
         build_timeout_sec: float = 1800.0,
-        run_tmpfs_mb: int = 64,
+        shm_mb: int = 64,
         watchdog_interval_sec: float = 0.5,
+        cgroups: CgroupHierarchy | None = None,
+        stand_in_dir: str | Path | None = None,
     ):
         self.cache_dir = Path(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR).resolve()
         self.toolchain_dir = Path(toolchain_dir or self.cache_dir / DEFAULT_TOOLCHAIN_SUBDIR).resolve()
@@ -164,12 +202,16 @@ class LocalBackend:
         self.pids_max = pids_max
         self.max_output_bytes = max_output_bytes
         self.terminal_read_bytes = terminal_read_bytes
-        self.run_tmpfs_mb = run_tmpfs_mb
+        self.shm_mb = shm_mb
+        try:
+            self.cgroups = cgroups or CgroupHierarchy.detect()
+        except CgroupUnavailable as error:
+            raise SandboxError(f"the local backend cannot limit sandboxes on this host: {error}") from error
+        stand_ins = StandInStore(stand_in_dir or DEFAULT_STAND_IN_DIR)
         self.builder = EnvironmentBuilder(
-            self.cache_dir, network=build_network, build_timeout_sec=build_timeout_sec
+            self.cache_dir, stand_ins=stand_ins, network=build_network, build_timeout_sec=build_timeout_sec
         )
         self.tools = {name: require_tool(name) for name in ("bwrap", "nsenter", "setpriv", "unshare")}
-        self.masked_top_level = host_masked_top_level()
         self._sandboxes: dict[str, LocalSandbox] = {}
         self._creating: dict[str, LocalSandbox] = {}
         self._lock = threading.Lock()
@@ -185,6 +227,37 @@ class LocalBackend:
         """Raise `UnsupportedEnvironment` if this backend cannot build `task` (a static check)."""
         check_environment(task)
 
+    def environment_audit(self, task: Task) -> EnvironmentAudit:
+        """How this backend runs `task`: always on a stand-in of its base image (it cannot pull)."""
+        base = task.environment.docker_image or ""
+        try:
+            plan = check_environment(task)
+        except UnsupportedEnvironment as error:
+            if "base image" in error.reason:  # nothing stands in for it: no backend here runs it
+                reason, detail = SkipReason.UNSUPPORTED_IMAGE, error.reason
+            else:  # beyond the local builder's subset: `podman build` may build it
+                reason, detail = (
+                    SkipReason.UNSUPPORTED_DOCKERFILE,
+                    f"{error.reason} (--backend container may run it)",
+                )
+            return EnvironmentAudit(
+                task.task_id, BACKEND_NAME, None, (base,) if base else (), (), reason, detail
+            )
+        recipe, substitution = stand_in_for(plan.base_image)
+        image = f"{recipe.name} stand-in root" + (
+            f" + {len(plan.steps)} Dockerfile steps" if plan.steps else ""
+        )
+        audit = EnvironmentAudit(
+            task.task_id,
+            BACKEND_NAME,
+            image,
+            (plan.base_image,),
+            (ImageSubstitution(plan.base_image, recipe.image_tag, substitution.differences),),
+            None,
+            "the local backend always runs a stand-in root of the base image",
+        )
+        return apply_common_rules(audit, task, internet_granted=self.allow_internet)
+
     def create(self, task: Task, *, run_id: str = "default") -> LocalSandbox:
         """Build (or reuse) the task's environment and start a sandbox for one trial."""
         if self._closed.is_set():
@@ -194,7 +267,7 @@ class LocalBackend:
             toolchain = Toolchain.at(self.toolchain_dir)
         except ToolchainMissing as error:
             raise SandboxError(str(error)) from error
-        sandbox = LocalSandbox(self, task, environment, run_id, self._allocate_uid())
+        sandbox = LocalSandbox(self, task, environment, run_id)
         with self._lock:
             self._creating[sandbox.sandbox_id] = sandbox
         launched = False
@@ -247,7 +320,7 @@ class LocalBackend:
             sandboxes = list(self._sandboxes.values())
         for sandbox in sandboxes:
             sandbox.close()
-        remove_parents_if_empty()
+        self.cgroups.remove_parents_if_empty()
 
     def __enter__(self) -> LocalBackend:
         return self
@@ -260,14 +333,6 @@ class LocalBackend:
     def _forget(self, sandbox_id: str) -> None:
         with self._lock:
             self._sandboxes.pop(sandbox_id, None)
-
-    def _allocate_uid(self) -> int:
-        with self._lock:
-            used = {s.uid for s in (*self._sandboxes.values(), *self._creating.values())}
-        while True:
-            uid = UID_BASE + random.randrange(UID_SPAN)
-            if uid not in used:
-                return uid
 
     def _state_records(self) -> list[dict]:
         records = []
@@ -293,14 +358,11 @@ class LocalBackend:
 class LocalSandbox:
     """One live trial sandbox of a `LocalBackend` (see the `Sandbox` protocol for the lifecycle)."""
 
-    def __init__(
-        self, backend: LocalBackend, task: Task, environment: BuiltEnvironment, run_id: str, uid: int
-    ):
+    def __init__(self, backend: LocalBackend, task: Task, environment: BuiltEnvironment, run_id: str):
         self._backend = backend
         self._task = task
         self._environment = environment
         self.run_id = run_id
-        self.uid = uid
         self._id = f"sbx-{uuid.uuid4().hex[:16]}"
         self._state = _State.RUNNING
         self._lock = threading.Lock()
@@ -318,8 +380,15 @@ class LocalSandbox:
         self.agent_deadline = self.created_at + task.limits.agent_timeout_sec
         self.total_deadline = self.created_at + task.limits.total_timeout_sec
         self.state_path = backend.state_dir / self._id
-        self.env = _sandbox_env(task, environment)
         self._network_shared = task.environment.allow_internet and backend.allow_internet
+        # task.toml's workdir if it names one, else the Dockerfile's final WORKDIR (Docker's "/" without one).
+        self.workdir = (
+            task.environment.workdir if task.environment.workdir_from == "task.toml" else environment.workdir
+        )
+        self._exec_sessions: set[int] = set()
+        self.uid = self.gid = 0
+        self.env: dict[str, str] = {}
+        self._setpriv: str | None = None
 
     # -- Sandbox protocol -------------------------------------------------------------------------
 
@@ -332,13 +401,22 @@ class LocalSandbox:
         return self._task
 
     @property
+    def environment(self) -> BuiltEnvironment:
+        return self._environment
+
+    @property
     def holder_pid(self) -> int | None:
         return self._holder.pid if self._holder else None
+
+    @property
+    def host_root(self) -> Path:
+        """The sandbox's live root as the host sees it (for tests and debugging)."""
+        return Path(f"/proc/{self.holder_pid}/root{STAGING}/root")
 
     def exec(self, command: str, timeout_sec: float) -> ExecResult:
         timeout = self._begin_agent_call(timeout_sec)
         try:
-            run = self._run_inside(["/bin/bash", "-lc", command], timeout)
+            run = self._run_inside(["/bin/bash", "-c", command], timeout)
         finally:
             self._end_agent_call()
         exit_code = run.exit_code
@@ -382,7 +460,7 @@ class LocalSandbox:
                 raise SandboxLifecycleError(f"sandbox {self._id}: verify() already ran")
             self._state = _State.VERIFYING
             while self._active_execs:  # a concurrent exec is being killed below; wait for it to return
-                self._stop_agent_processes()
+                self._stop_agent_calls()
                 self._idle.wait(timeout=0.1)
         try:
             return self._verify()
@@ -412,23 +490,44 @@ class LocalSandbox:
         try:
             self._tests_manifest = manifest_of_sources(task)
             self.state_path.mkdir(parents=True)
-            self.cgroups = SandboxCgroups.planned(self._id)  # recorded before they exist
+            self.cgroups = backend.cgroups.planned(self._id)  # recorded before they exist
             self._write_meta()
             spec = task.environment
-            self.cgroups = SandboxCgroups.create(
+            self.cgroups = backend.cgroups.create(
                 self._id, memory_bytes=spec.memory_mb << 20, pids_max=backend.pids_max, cpus=spec.cpus
             )
-            init_command = "echo ready >&{ready_fd}; exec {ready_fd}>&-; exec /bin/sleep infinity"
+            stack = self._environment.lower_stack
+            self.uid, self.gid = resolve_user(stack, self._environment.user)
+            self.env = _sandbox_env(
+                task, self._environment, user_home(stack, self.uid), self.uid, self._network_shared
+            )
+            self._setpriv = next(
+                (f"/{p}" for p in ("usr/bin/setpriv", "bin/setpriv") if stack_file(stack, p)), None
+            )
+            entrypoint = " ".join(f'"${i + 1}"' for i in range(len(self._environment.entrypoint)))
+            init = "echo ready >&{ready_fd}; exec {ready_fd}>&-; exec " + (
+                f"{entrypoint} sh -c 'sleep infinity'" if entrypoint else "sleep infinity"
+            )
             spawn = {
                 "argv": [
                     backend.tools["bwrap"],
+                    "--userns",
+                    "{userns_fd}",
                     *self._bwrap_args(verifier=False),
-                    *("--info-fd", "{info_fd}", "--", "/bin/sh", "-c", init_command),
-                ],
+                    "--info-fd",
+                    "{info_fd}",
+                    "--",
+                    "/bin/sh",
+                    "-c",
+                    init,
+                    "sh",
+                    *self._environment.entrypoint,
+                ],  # fmt: skip
                 "env": self.env,
-                "uid": self.uid,
-                "gid": self.uid,
+                "uid": SANDBOX_UID_BASE,
+                "gid": SANDBOX_UID_BASE,
                 "cgroup_procs": self.cgroups.procs_files,
+                "userns": "agent",
             }
             self._holder = HolderProcess.start(backend.tools["unshare"], self._holder_ops(toolchain), spawn)
             self.init_pid = self._holder.child["child-pid"]
@@ -447,7 +546,6 @@ class LocalSandbox:
             "sandbox_id": self._id,
             "run_id": self.run_id,
             "task_id": self._task.task_id,
-            "uid": self.uid,
             "created_at": time.time(),
             "cgroups": self.cgroups.to_json() if self.cgroups else {},
             "holder_pid": holder.pid if holder else None,
@@ -460,95 +558,138 @@ class LocalSandbox:
         temporary.replace(self.state_path / "meta.json")
 
     def _holder_ops(self, toolchain: Toolchain) -> list[dict]:
-        uid, spec, environment = self.uid, self._task.environment, self._environment
+        spec, environment = self._task.environment, self._environment
         disk = f"{STAGING}/disk"
-        ops: list[dict] = [
-            {"op": "mount", "source": f"t1jax-staging-{self._id}", "target": "/run", "fstype": "tmpfs",
-             "options": "mode=0755,size=1024m"},
-            {"op": "mkdir", "path": f"{STAGING}/empty", "mode": 0o555},
-            {"op": "file", "path": f"{STAGING}/emptyfile", "mode": 0o444},
-            {"op": "mkdir", "path": f"{STAGING}/host", "mode": 0o755},
-            {"op": "mkdir", "path": f"{STAGING}/root", "mode": 0o755},
-            {"op": "mkdir", "path": disk, "mode": 0o755},
-            {"op": "mount", "source": "t1jax-host", "target": f"{STAGING}/host", "fstype": "overlay",
-             "readonly": True, "nosuid": False, "options": f"lowerdir={STAGING}/empty:/"},
-        ]  # fmt: skip
-        if environment.upper is not None:
-            ops.append(
-                {"op": "mount", "source": f"t1jax-env-{environment.key}", "target": f"{STAGING}/root",
-                 "fstype": "overlay", "readonly": True, "nosuid": False,
-                 "options": f"lowerdir={environment.upper}:{STAGING}/host"}
-            )  # fmt: skip
-        else:
-            ops.append(
-                {"op": "bind", "source": f"{STAGING}/host", "target": f"{STAGING}/root", "readonly": True}
-            )
+        lower = ":".join(str(path) for path in environment.lower_stack)
         inodes = max(16384, spec.storage_mb * 64)
-        ops.append(
-            {"op": "mount", "source": f"t1jax-disk-{self._id}", "target": disk, "fstype": "tmpfs",
-             "options": f"size={spec.storage_mb}m,nr_inodes={inodes},mode=0755,uid={uid},gid={uid}"}
-        )  # fmt: skip
-        modes = {"work": 0o755, "home": 0o700, "tmp": 0o1777, "vartmp": 0o1777, "logs": 0o755}
-        for name, mode in modes.items():
-            ops.append({"op": "mkdir", "path": f"{disk}/{name}", "mode": mode, "uid": uid, "gid": uid})
-            seed = environment.seeds.get(name)
-            if seed is not None and seed.is_dir() and any(seed.iterdir()):
-                ops.append(
-                    {"op": "copy", "source": str(seed), "target": f"{disk}/{name}", "uid": uid, "gid": uid}
-                )
-        for sub in ("agent", "artifacts", "verifier"):
-            ops.append({"op": "mkdir", "path": f"{disk}/logs/{sub}", "mode": 0o755, "uid": uid, "gid": uid})
-        for name, path in sorted(environment.masked_tops.items()):
-            ops.append({"op": "mkdir", "path": f"{STAGING}/tops/{name}", "mode": 0o755})
-            ops.append(
-                {"op": "bind", "source": str(path), "target": f"{STAGING}/tops/{name}", "readonly": True}
-            )
-        ops.append({"op": "mkdir", "path": f"{STAGING}/toolchain", "mode": 0o755})
-        ops.append(
+        base = SANDBOX_UID_BASE
+        return [
+            {
+                "op": "mount",
+                "source": f"t1jax-staging-{self._id}",
+                "target": "/run",
+                "fstype": "tmpfs",
+                "options": "mode=0755,size=64m",
+            },
+            *(
+                {"op": "mkdir", "path": f"{STAGING}/{name}", "mode": 0o755}
+                for name in ("empty", "root", "pristine", "disk", "toolchain", "verify")
+            ),
+            {
+                "op": "mount",
+                "source": f"t1jax-env-{environment.key}",
+                "target": f"{STAGING}/pristine",
+                "fstype": "overlay",
+                "readonly": True,
+                "nosuid": False,
+                "options": f"lowerdir={lower}:{STAGING}/empty",
+            },
+            {
+                "op": "mount",
+                "source": f"t1jax-disk-{self._id}",
+                "target": disk,
+                "fstype": "tmpfs",
+                "options": f"size={spec.storage_mb}m,nr_inodes={inodes},mode=0755,uid={base},gid={base}",
+            },
+            {"op": "mkdir", "path": f"{disk}/upper", "mode": 0o755, "uid": base, "gid": base},
+            {"op": "mkdir", "path": f"{disk}/work", "mode": 0o755, "uid": base, "gid": base},
+            {
+                "op": "mount",
+                "source": f"t1jax-root-{self._id}",
+                "target": f"{STAGING}/root",
+                "fstype": "overlay",
+                "nosuid": False,
+                "options": f"lowerdir={lower},upperdir={disk}/upper,workdir={disk}/work",
+            },
+            # The workdir exists, as `docker run -w` makes it, and Harbor's log directories (owned by
+            # the sandbox's root).
+            *(
+                {
+                    "op": "mkdir",
+                    "path": f"{STAGING}/root{path}",
+                    "mode": 0o755,
+                    "uid": base,
+                    "gid": base,
+                    "exist_ok": True,
+                }
+                for path in (self.workdir, *LOG_DIRS)
+            ),
+            {
+                "op": "file",
+                "path": f"{STAGING}/hosts",
+                "mode": 0o644,
+                "content": "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                "127.0.1.1\tsandbox\n",
+            },
+            {"op": "file", "path": f"{STAGING}/hostname", "mode": 0o644, "content": "sandbox\n"},
             {
                 "op": "bind",
                 "source": str(toolchain.directory),
                 "target": f"{STAGING}/toolchain",
                 "readonly": True,
-            }
-        )
-        ops.append({"op": "mkdir", "path": f"{STAGING}/verify", "mode": 0o755})
-        return ops
+            },
+            {"op": "userns", "name": "agent", "base": base, "count": SANDBOX_UID_COUNT},
+            {"op": "userns", "name": "verifier", "base": base, "count": SANDBOX_UID_COUNT},
+        ]
 
-    def _bwrap_args(self, *, verifier: bool) -> list[str]:
-        """bwrap arguments for the agent's init or the verifier; paths are in the holder's staging tree."""
-        spec = self._task.environment
-        network = self._network_shared
-        run_size = str(self._backend.run_tmpfs_mb << 20)
+    def _bwrap_args(self, *, verifier: bool, join_network: bool = True) -> list[str]:
+        """bwrap arguments (after `--userns FD`) for the agent's init or the verifier; paths are in the
+        holder's staging tree. The verifier is started inside the sandbox's network namespace
+        (`join_network`) unless that is gone with the sandbox's init."""
+        network = self._network_shared or (verifier and join_network)
         args = [
-            "--unshare-user", "--uid", "0", "--gid", "0",
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "sandbox",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--hostname",
+            "sandbox",
             *([] if network else ["--unshare-net"]),
-            "--die-with-parent", "--new-session",
-            "--ro-bind", f"{STAGING}/root", "/",
-            "--proc", "/proc", "--dev", "/dev",
-            "--size", run_size, "--tmpfs", "/dev/shm",
-            "--size", run_size, "--tmpfs", "/run",
-        ]  # fmt: skip
-        private_tops = {path.strip("/").split("/")[0] for path in PRIVATE_DIRS.values()}
-        for name, is_dir in sorted(self._backend.masked_top_level.items()):
-            if name in private_tops:
-                continue
-            if name in self._environment.masked_tops:
-                args += ["--ro-bind", f"{STAGING}/tops/{name}", f"/{name}"]
-            else:
-                args += ["--ro-bind", f"{STAGING}/{'empty' if is_dir else 'emptyfile'}", f"/{name}"]
-        private = {"work": spec.workdir, **PRIVATE_DIRS}
-        for name, path in sorted(private.items(), key=lambda item: (item[1].count("/"), item[1])):
-            args += ["--bind", f"{STAGING}/disk/{name}", path]
+            "--die-with-parent",
+            "--new-session",
+            "--bind",
+            f"{STAGING}/root",
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(self._backend.shm_mb << 20),
+            "--tmpfs",
+            "/dev/shm",
+            "--ro-bind",
+            f"{STAGING}/hosts",
+            "/etc/hosts",
+            "--ro-bind",
+            f"{STAGING}/hostname",
+            "/etc/hostname",
+            *(["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"] if self._network_shared else []),
+        ]
+        bundle = host_ca_bundle() if self._network_shared else None
+        if bundle is not None:  # the internet is granted behind a TLS-inspecting proxy (see host_trust)
+            args += ["--ro-bind", str(bundle), CA_MOUNT]
         if verifier:
             args += [
-                "--ro-bind", f"{STAGING}/verify/tests", "/tests",
-                "--bind", f"{STAGING}/verify/logs", "/logs/verifier",
-                "--ro-bind", f"{STAGING}/toolchain", TOOLCHAIN_MOUNT,
-                "--bind", f"{STAGING}/verify/tmp", VERIFIER_TMP,
-            ]  # fmt: skip
-        return [*args, "--chdir", spec.workdir]
+                "--cap-drop",
+                "ALL",
+                *[arg for cap in DOCKER_CAPABILITIES for arg in ("--cap-add", cap)],
+                "--ro-bind",
+                f"{STAGING}/verify/tests",
+                "/tests",
+                "--bind",
+                f"{STAGING}/verify/logs",
+                "/logs/verifier",
+                "--ro-bind",
+                f"{STAGING}/toolchain",
+                TOOLCHAIN_MOUNT,
+                "--ro-bind",
+                f"{STAGING}/pristine",
+                IMAGE_MOUNT,
+                "--bind",
+                f"{STAGING}/verify/tmp",
+                VERIFIER_TMP,
+            ]
+        return [*args, "--chdir", self.workdir if verifier else "/"]
 
     def _check_usable(self) -> None:
         if self._state == _State.CLOSED:
@@ -584,30 +725,67 @@ class LocalSandbox:
             self._idle.notify_all()
 
     def _run_inside(self, argv: list[str], timeout_sec: float, env: Mapping[str, str] | None = None):
-        """Run `argv` inside the running sandbox's namespaces and cgroups, as the sandbox's root
-        with no capabilities; kill its session at the deadline."""
+        """Run `argv` inside the running sandbox's namespaces and cgroups as the image's user (root
+        with Docker's default capabilities, via the image's setpriv); kill its session at the deadline."""
         tools = self._backend.tools
         # With a shared (host) network namespace there is nothing to enter, and nothing we may enter.
         net = [] if self._network_shared else ["-n"]
-        command = [
-            "/bin/sh", "-c", _JOIN_CGROUPS, "sh", *self.cgroups.procs_files, "--",
-            tools["setpriv"], "--reuid", str(self.uid), "--regid", str(self.uid), "--clear-groups",
-            tools["nsenter"], "-t", str(self.init_pid), "-U", "-m", "-p", *net, "-i", "-u", "-r",
-            f"--wdns={self._task.environment.workdir}",
-            "--preserve-credentials", "--",
-            "/usr/bin/setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all",
-            "--no-new-privs",
-            "--", *argv,
-        ]  # fmt: skip
-        half = self._backend.max_output_bytes // 2
-        return _proc.run_captured(
-            command,
-            env=dict(env or self.env),
-            timeout_sec=timeout_sec,
-            head_bytes=half,
-            tail_bytes=half,
-            on_timeout=lambda proc: _proc.kill_session(proc.pid),
+        drop = (
+            [self._setpriv, f"--bounding-set={_BOUNDING_SET}", "--"]
+            if self.uid == 0 and self._setpriv
+            else []
         )
+        command = [
+            "/bin/sh",
+            "-c",
+            _JOIN_CGROUPS,
+            "sh",
+            *self.cgroups.procs_files,
+            "--",
+            tools["nsenter"],
+            "-t",
+            str(self.init_pid),
+            "-U",
+            "-m",
+            "-p",
+            *net,
+            "-i",
+            "-u",
+            "-r",
+            f"--wdns={self.workdir}",
+            "-S",
+            str(self.uid),
+            "-G",
+            str(self.gid),
+            "--",
+            *drop,
+            *argv,
+        ]
+        half = self._backend.max_output_bytes // 2
+        started: list[int] = []
+
+        def track(proc) -> None:
+            started.append(proc.pid)
+            self._exec_sessions.add(proc.pid)
+
+        try:
+            return _proc.run_captured(
+                command,
+                env=dict(env or self.env),
+                timeout_sec=timeout_sec,
+                head_bytes=half,
+                tail_bytes=half,
+                on_timeout=lambda proc: _proc.kill_session(proc.pid),
+                on_start=track,
+            )
+        finally:
+            self._exec_sessions.difference_update(started)
+
+    def _stop_agent_calls(self) -> None:
+        """Kill the sessions of agent commands still running (verify ends the agent phase); what they
+        started in sessions of their own (a service) lives on through verification."""
+        for session in list(self._exec_sessions):
+            _proc.kill_session(session)
 
     def _stop_agent_processes(self) -> None:
         _proc.kill_if_same(self.init_pid, self._init_start)  # the pid namespace dies with its init
@@ -651,6 +829,7 @@ class LocalSandbox:
             return
         if self._run_inside(["/bin/sh", "-c", "command -v tmux"], 10).exit_code != 0:
             raise SandboxError(f"sandbox {self._id}: no tmux in the environment (apt-get install tmux)")
+        # An interactive bash, not a login shell: /etc/profile would reset the image's ENV PATH.
         self._tmux(
             [
                 ["-f", "/dev/null", "start-server"],
@@ -665,10 +844,10 @@ class LocalSandbox:
                     "-y",
                     str(TERMINAL_ROWS),
                     "-c",
-                    self._task.environment.workdir,
-                    "/bin/bash --login",
+                    self.workdir,
+                    "/bin/bash",
                 ],
-            ]  # fmt: skip
+            ]
         )
         self._terminal_started = True
 
@@ -689,7 +868,6 @@ class LocalSandbox:
         task, limits = self._task, self._task.limits
         remaining_total = self.total_deadline - time.monotonic()
         timeout = min(limits.verifier_timeout_sec, remaining_total)
-        self._stop_agent_processes()
         if timeout <= 0:
             return VerifierReport(
                 (), False, FailureCause.VERIFIER_TIMEOUT, None, None, "trial deadline passed before verify"
@@ -700,12 +878,13 @@ class LocalSandbox:
             _remove(child)
         tests = verify_dir / "tests"
         tests.mkdir(mode=0o755)
-        for sub, mode in (("logs", 0o755), ("tmp", 0o700)):
+        for sub, mode in (("logs", 0o755), ("tmp", 0o1777)):
             (verify_dir / sub).mkdir(mode=mode)
-            os.chown(verify_dir / sub, self.uid, self.uid)
+            os.chmod(verify_dir / sub, mode)
+            os.chown(verify_dir / sub, SANDBOX_UID_BASE, SANDBOX_UID_BASE)
         for source, name in task_tests_sources(task):
             if source.is_dir():
-                shutil.copytree(source, tests, dirs_exist_ok=True)
+                shutil.copytree(source, tests, dirs_exist_ok=True, symlinks=True)
             else:
                 shutil.copy2(source, tests / name)
         _make_world_readable(tests)
@@ -713,54 +892,79 @@ class LocalSandbox:
         if problems:
             detail = "tests differ from the task's at create time: " + ", ".join(problems[:10])
             return VerifierReport((), False, FailureCause.TESTS_TAMPERED, None, None, detail)
-        agent_report_dir = staging / "disk" / "logs" / "verifier"  # whatever the agent left there goes
-        _remove(agent_report_dir)
-        agent_report_dir.mkdir()
-        os.chown(agent_report_dir, self.uid, self.uid)
 
-        plan = plan_verifier(task, self.env)
+        ensure_directory(staging / "root", "logs/verifier", uid=SANDBOX_UID_BASE, gid=SANDBOX_UID_BASE)
+        env = {**self.env, **task.verifier_env, "HOME": "/root", "USER": "root", "LOGNAME": "root"}
+        runtime = find_runtime(staging / "pristine", search_path=env.get("PATH", DEFAULT_PATH))
+        plan = plan_verifier(task, env, runtime)
         tools = self._backend.tools
-        command = [
-            tools["nsenter"], f"--mount=/proc/{self._holder.pid}/ns/mnt", "--",
-            sys.executable, "-I", str(HOLDER_SCRIPT), "--reap-exec", *self.cgroups.procs_files, "--",
-            tools["setpriv"], "--reuid", str(self.uid), "--regid", str(self.uid), "--clear-groups",
-            tools["bwrap"], *self._bwrap_args(verifier=True), "--", *plan.argv,
-        ]  # fmt: skip
-        run = _proc.run_captured(
-            command,
-            env=plan.env,
-            timeout_sec=timeout,
-            head_bytes=64 * 1024,
-            tail_bytes=self._backend.max_output_bytes,
-            on_timeout=lambda proc: self.cgroups.kill_all(),
-        )
-        self.cgroups.kill_all()  # anything the tests started
-        return build_report(
+        host_binds = [arg for host, mount in runtime.host_mounts for arg in ("--ro-bind", host, mount)]
+        userns = os.open(f"/proc/{self._holder.userns['verifier']}/ns/user", os.O_RDONLY)
+        join = not self._network_shared and _proc.pid_start_time(self.init_pid) == self._init_start
+        try:
+            command = [
+                tools["nsenter"],
+                f"--mount=/proc/{self._holder.pid}/ns/mnt",
+                *([f"--net=/proc/{self.init_pid}/ns/net"] if join else []),
+                "--",
+                sys.executable,
+                "-I",
+                str(HOLDER_SCRIPT),
+                "--reap-exec",
+                *self.cgroups.procs_files,
+                "--",
+                tools["setpriv"],
+                "--reuid",
+                str(SANDBOX_UID_BASE),
+                "--regid",
+                str(SANDBOX_UID_BASE),
+                "--clear-groups",
+                "--",
+                tools["bwrap"],
+                "--userns",
+                str(userns),
+                *self._bwrap_args(verifier=True, join_network=join),
+                *host_binds,
+                "--",
+                *plan.argv,
+            ]
+            run = _proc.run_captured(
+                command,
+                env=plan.env,
+                timeout_sec=timeout,
+                head_bytes=64 * 1024,
+                tail_bytes=self._backend.max_output_bytes,
+                on_timeout=lambda proc: _proc.kill_session(proc.pid),
+                pass_fds=(userns,),
+            )
+        finally:
+            os.close(userns)
+        output = run.stdout + "\n" + run.stderr
+        report = build_report(
             report_dir=verify_dir / "logs",
-            output=run.stdout + "\n" + run.stderr,
+            output=output,
             exit_code=run.exit_code,
             timed_out=run.timed_out,
             detail=plan.note,
         )
+        return dataclasses.replace(report, output_tail=output[-VERIFIER_OUTPUT_TAIL_BYTES:])
 
 
 # Joins the cgroups named before "--" (as root), then execs the rest of its arguments.
 _JOIN_CGROUPS = 'while [ "$1" != "--" ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 
 
-def _sandbox_env(task: Task, environment: BuiltEnvironment) -> dict[str, str]:
-    env = {
-        "PATH": DEFAULT_PATH,
-        "HOME": "/root",
-        "USER": "root",
-        "LOGNAME": "root",
-        "SHELL": "/bin/bash",
-        "TERM": "xterm-256color",
-        "LANG": "C.UTF-8",
-        "HOSTNAME": "sandbox",
-    }
+def _sandbox_env(
+    task: Task, environment: BuiltEnvironment, home: str, uid: int, network_shared: bool
+) -> dict[str, str]:
+    """What `docker exec` gives a command: the image's ENV and the task's, plus HOME and HOSTNAME."""
+    env = {"PATH": DEFAULT_PATH, "HOSTNAME": "sandbox", "HOME": home, "TERM": "xterm-256color"}
     env.update(dict(environment.env))
     env.update(task.environment.env)
+    if task.environment.allow_internet and network_shared and host_ca_bundle() is not None:
+        env.update(trust_env())
+    if uid == 0:
+        env.setdefault("USER", "root")
     return env
 
 
@@ -819,7 +1023,7 @@ def _reap_record(state_path: Path, meta: Mapping) -> None:
     _proc.kill_if_same(meta.get("init_pid"), meta.get("init_start"))
     cgroups = meta.get("cgroups") or {}
     if cgroups:
-        groups = SandboxCgroups({k: Path(v) for k, v in cgroups.items()})
+        groups = SandboxCgroups.from_json(cgroups)
         groups.kill_all()
         groups.remove()
     shutil.rmtree(state_path, ignore_errors=True)

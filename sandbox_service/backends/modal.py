@@ -33,8 +33,9 @@ from sandbox_service.backends.container import (
     require_toolchain,
 )
 from sandbox_service.backends.kubernetes import KEEPALIVE_COMMAND, LABEL_RUN, LABEL_SANDBOX, LABEL_TASK
-from sandbox_service.contracts import Task
+from sandbox_service.contracts import EnvironmentAudit, Task
 from sandbox_service.errors import BackendError
+from sandbox_service.fidelity import apply_common_rules
 from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR
 
 
@@ -92,6 +93,15 @@ class ModalBackend:
 
     def tags(self, task: Task, *, sandbox_id: str, run_id: str) -> dict[str, str]:
         return {LABEL_RUN: run_id, LABEL_SANDBOX: sandbox_id, LABEL_TASK: task.task_id}
+
+    def environment_audit(self, task: Task) -> EnvironmentAudit:
+        """The task's own image (Modal pulls it, or builds the task's Dockerfile): nothing stands in."""
+        env = task.environment
+        image = env.docker_image or (f"built by Modal from {env.dockerfile.name}" if env.dockerfile else None)
+        audit = EnvironmentAudit(
+            task.task_id, self.name, image, (env.docker_image,) if env.docker_image else (), ()
+        )
+        return apply_common_rules(audit, task, internet_granted=env.allow_internet)
 
     def create(self, task: Task, *, run_id: str = "default") -> ModalSandbox:
         require_toolchain(self.config.toolchain_dir)
@@ -157,7 +167,8 @@ class ModalSandbox(ContainerSandbox):
     def modal_object_id(self) -> str:
         return self._handle.object_id
 
-    def _run(self, argv: list[str], stdin: bytes, timeout_sec: float) -> RunOutput:
+    def _run(self, argv: list[str], stdin: bytes, timeout_sec: float, *, as_root: bool = False) -> RunOutput:
+        # Modal runs every exec as the image user; there is no other uid to choose (as_root is moot).
         process = self._handle.exec(*argv, timeout=int(math.ceil(timeout_sec)), text=False)
         if stdin:
             process.stdin.write(stdin)

@@ -172,9 +172,10 @@ def build_sandboxes(config: RunConfig, run_id: str):
         image_registry=section.image_registry,
         runtime_class=section.runtime_class,
         modal_app="t1jax-sandboxes",
+        pull=False,  # images are built from the task's Dockerfile or imported stand-ins
     )
     try:
-        if section.backend in ("local", "kubernetes", "modal"):
+        if section.backend in ("local", "container", "kubernetes", "modal"):
             backend = build_backend(args)
         else:  # any other registered backend (sandbox_service.backends.register_backend)
             from sandbox_service.backends import create_provider

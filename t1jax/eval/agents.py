@@ -7,7 +7,7 @@ its verifier before a model's score is trusted: the oracle must resolve every so
 no-op none.
 
 - `oracle`: first reply: the task's reference solution (`sandbox_service.check_tasks.
-  solution_commands`: upload lines, then the line that runs it), each as a `shell` call, the last
+  solution.solution_commands`: upload lines, then the line that runs it), each as a `shell` call, the last
   one followed by a completion marker; later replies wait (an empty command) until the marker
   appears in the terminal output, then call `task_complete` and confirm it.
 - `nop`: calls `task_complete` at once and confirms it.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from sandbox_service.check_tasks import solution_commands
+from sandbox_service.solution import solution_commands
 from sandbox_service.contracts import Task
 from t1jax.agent import prompts
 from t1jax.agent.chat_template import render_tool_call_text
@@ -32,7 +32,6 @@ from t1jax.agent.scripted import PolicyCall
 # contains it: only the command's output does.
 DONE_MARKER = "__T1JAX_ORACLE_DONE_42"
 _DONE_COMMAND = "echo __T1JAX_ORACLE_DONE_$((40+2))"
-ORACLE_LINE_CHARS = 2000  # payload per typed line: short enough for any terminal
 FIRST_WAIT_SEC = 0.5
 POLL_SEC = 5.0
 
@@ -83,7 +82,7 @@ def oracle_policy(book: TaskBook, *, max_command_sec: float = 60.0) -> Callable[
     def policy(call: PolicyCall) -> str:
         if prompts.CONFIRM_COMPLETION in call.last_user_text:
             return _complete("The reference solution ran to its end; confirming.")
-        *upload, run = solution_commands(book.task_of(call), max_line=ORACLE_LINE_CHARS)
+        *upload, run = solution_commands(book.task_of(call))
         plan = [_shell(line, 0.1) for line in upload] + [_shell(f"{run}; {_DONE_COMMAND}", wait(0))]
         sent = sum(reply.count(f"<function={SHELL}>") for reply in _previous_replies(call))
         if sent < len(plan):

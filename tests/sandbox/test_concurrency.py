@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from .conftest import assert_sandbox_gone, mounts_mentioning, processes_of_uid
+from .conftest import assert_sandbox_gone, count_processes, mounts_mentioning, sandbox_processes
 
 pytestmark = pytest.mark.sandbox
 
@@ -26,7 +26,7 @@ def test_32_concurrent_sandboxes_without_leaks(backend, hello_task):
             marker = sandbox.exec(
                 f"echo {index} > /tmp/marker; setsid sleep 600 > /dev/null 2>&1 & cat /tmp/marker", 60
             )
-            seen = sandbox.exec("ls /app; cat /tmp/marker; pgrep -c -x sleep", 60).stdout.split()
+            seen = sandbox.exec("ls /app; cat /tmp/marker; " + count_processes("sleep?*"), 60).stdout.split()
             if index % 2 == 0:
                 sandbox.exec('echo "Hello, world!" > /app/hello.txt', 60)
             report = sandbox.verify()
@@ -43,10 +43,9 @@ def test_32_concurrent_sandboxes_without_leaks(backend, hello_task):
         expected = (2, 2) if index % 2 == 0 else (0, 2)
         assert report.parsed and (report.passed, report.total) == expected, report.detail
     assert len({s.sandbox_id for s in sandboxes}) == SANDBOXES
-    assert len({s.uid for s in sandboxes}) == SANDBOXES
     for sandbox in sandboxes:
         assert_sandbox_gone(sandbox)
     assert backend.live_sandboxes("concurrency") == []
     for sandbox in sandboxes:  # (other services on this host may have sandboxes of their own)
         assert mounts_mentioning(f"t1jax-staging-{sandbox.sandbox_id}") == []
-    assert all(processes_of_uid(s.uid) == [] for s in sandboxes)
+    assert all(sandbox_processes(s) == [] for s in sandboxes)

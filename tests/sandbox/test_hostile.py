@@ -1,9 +1,10 @@
 """Hostile agents: each test shows the attack was really attempted (and would work without the
-sandbox, where that can be shown) and that it failed or was contained."""
+sandbox, where that can be shown) and that it failed or was contained. The verifier-tampering
+cases run on both real backends (local bubblewrap and podman containers)."""
 
 import base64
 import dataclasses
-import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -17,7 +18,15 @@ import pytest
 from sandbox_service.contracts import FailureCause
 from sandbox_service.tasks import load_task
 
-from .conftest import HARBOR_HELLO, REPO, TB1_HELLO, assert_sandbox_gone, copy_task, processes_of_uid
+from .conftest import (
+    HARBOR_HELLO,
+    REPO,
+    TB1_HELLO,
+    assert_sandbox_gone,
+    copy_task,
+    count_processes,
+    sandbox_processes,
+)
 
 pytestmark = pytest.mark.sandbox
 
@@ -29,75 +38,84 @@ def _resources(task, **environment):
 # -- reading and writing outside the sandbox -------------------------------------------------------
 
 
-def test_agent_cannot_read_host_files(backend, hello_task):
-    secret_paths = {
-        str(REPO / "pyproject.toml"): "the repository",
-        str(Path.home() / ".bashrc"): "the host's /root",
-        "/etc/shadow": "a root-only file",
-    }
-    for path in secret_paths:
-        assert Path(path).read_bytes(), (
-            f"{path} must exist and be readable on the host for the test to mean anything"
-        )
-    sandbox = backend.create(hello_task)
+def test_agent_cannot_read_host_files(backend, hello_task, tmp_path):
+    token = secrets.token_hex(16)
+    secret = Path("/root") / f".t1jax-host-secret-{token[:8]}"
+    secret.write_text(f"host-secret-{token}\n")
+    secret.chmod(0o644)  # readable by anyone on the host: only the sandbox's view can hide it
     try:
-        for path, what in secret_paths.items():
-            result = sandbox.exec(f"cat {path}", 30)
-            assert result.exit_code != 0 and result.stdout == "", what
-            assert ("No such file" in result.stderr) or ("Permission denied" in result.stderr), result.stderr
-        # The host's processes are invisible: the sandbox's /proc lists only its own.
-        host_processes = [entry for entry in os.listdir("/proc") if entry.isdigit()]
-        listing = sandbox.exec("ls /proc | grep -E '^[0-9]+$'", 30).stdout.split()
-        assert len(host_processes) > 20 and 0 < len(listing) < 10
-        commands = sandbox.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '", 30).stdout
-        assert "pytest" not in commands and "bwrap" in commands  # its own init, never the host's
+        assert (REPO / "pyproject.toml").read_bytes() and secret.read_text().startswith("host-secret")
+        sandbox = backend.create(hello_task)
+        try:
+            for path in (REPO / "pyproject.toml", secret):
+                result = sandbox.exec(f"cat {path}", 30)
+                assert result.exit_code != 0 and result.stdout == "" and "No such file" in result.stderr
+            # The root is a stand-in image, not the host's: nothing of the host's files is anywhere in it.
+            search = sandbox.exec(
+                f"grep -rsl host-secret-{token} / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev "
+                "| wc -l",
+                120,
+            )
+            assert search.stdout == "0\n", search.stdout
+            shadow = sandbox.exec("cat /etc/shadow", 30).stdout  # the image's own, readable by its root
+            assert shadow.startswith("root:") and shadow != Path("/etc/shadow").read_text()
+            # The host's processes are invisible: the sandbox's /proc lists only its own.
+            listing = sandbox.exec("ls /proc | grep -E '^[0-9]+$'", 30).stdout.split()
+            assert 0 < len(listing) < 10
+            commands = sandbox.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '", 30).stdout
+            assert "pytest" not in commands and "sleep infinity" in commands
+        finally:
+            sandbox.close()
     finally:
-        sandbox.close()
+        secret.unlink()
 
 
 def test_agent_cannot_read_another_sandbox(backend, hello_task):
     victim, attacker = backend.create(hello_task), backend.create(hello_task)
     try:
         victim.exec("echo victim-secret-4711 > /app/secret.txt", 30)
-        victim_file = f"/proc/{victim.holder_pid}/root/run/t1jax/disk/work/secret.txt"
-        assert Path(victim_file).read_text() == "victim-secret-4711\n"  # where the host keeps it
+        victim_file = victim.host_root / "app" / "secret.txt"
+        assert victim_file.read_text() == "victim-secret-4711\n"  # where the host keeps it
         attempt = attacker.exec(f"cat {victim_file}; cat /proc/{victim.init_pid}/root/app/secret.txt", 30)
         assert "victim-secret" not in attempt.stdout and attempt.exit_code != 0
         assert "No such file" in attempt.stderr
         search = attacker.exec(
-            "grep -rs victim-secret /app /tmp /root /run /logs /var/tmp /dev/shm; echo rc=$?", 30
+            "grep -rs victim-secret /app /tmp /root /run /logs /var/tmp /dev/shm | wc -l", 30
         )
-        assert search.stdout == "rc=1\n"
+        assert search.stdout == "0\n"
     finally:
         victim.close()
         attacker.close()
 
 
-def test_agent_cannot_write_the_read_only_root(backend, hello_task):
-    sandbox = backend.create(hello_task)
+def test_writes_anywhere_stay_in_the_sandbox(backend, hello_task):
+    """The root is copy-on-write, as in a container: the agent may change any file, and neither the
+    host, the shared environment layers nor another sandbox of the same task sees the change."""
+    sandbox, neighbour = backend.create(hello_task), backend.create(hello_task)
     try:
-        attempts = [
-            "touch /usr/bin/t1jax-planted",
-            "echo evil >> /etc/passwd",
-            "mkdir /t1jax-new-top-level",
-            "rm -f /usr/bin/env",
-            "touch /tests/planted_test.py",
-            "mount -t tmpfs none /mnt",
-            "mount -o remount,rw /",
-        ]
-        for command in attempts:
-            result = sandbox.exec(command, 30)
-            assert result.exit_code != 0, command
-            assert any(s in result.stderr.lower() for s in ("read-only file system", "permission denied")), (
-                result.stderr
-            )
+        changes = (
+            "touch /usr/bin/t1jax-planted && echo evil >> /etc/passwd && mkdir /t1jax-new-top-level && "
+            "rm /usr/bin/env && mkdir -p /usr/local/lib/x /opt/tool /var/log/app && echo done"
+        )
+        assert sandbox.exec(changes, 30).stdout == "done\n"
+        assert sandbox.exec("tail -1 /etc/passwd; ls /usr/bin/env", 30).stdout == "evil\n"
+        assert (
+            neighbour.exec("tail -1 /etc/passwd | grep -c evil; ls /usr/bin/env", 30).stdout
+            == "0\n/usr/bin/env\n"
+        )
+        base = sandbox.environment.base_root
+        assert (base / "usr" / "bin" / "env").exists() and not (
+            base / "usr" / "bin" / "t1jax-planted"
+        ).exists()
         assert not Path("/usr/bin/t1jax-planted").exists() and not Path("/t1jax-new-top-level").exists()
         assert "evil" not in Path("/etc/passwd").read_text() and Path("/usr/bin/env").exists()
-        # setuid binaries gain nothing (no_new_privs, no capabilities)
-        su = sandbox.exec("ls -l /usr/bin/su | cut -c4; su -c id nobody; echo rc=$?", 30)
-        assert su.stdout.startswith("s") and "rc=0" not in su.stdout
+        # Root has Docker's default capabilities, not CAP_SYS_ADMIN: no mounts, as in a container.
+        for command in ("mount -t tmpfs none /mnt", "mount -o remount,rw /proc"):
+            result = sandbox.exec(command, 30)
+            assert result.exit_code != 0 and "permission denied" in result.stderr.lower(), result.stderr
     finally:
         sandbox.close()
+        neighbour.close()
 
 
 # -- network ---------------------------------------------------------------------------------------
@@ -136,16 +154,14 @@ _CONNECT = (
 )
 
 
-def test_agent_cannot_reach_the_network(backend, hello_task, host_server):
-    sandbox = backend.create(hello_task)
+def test_agent_cannot_reach_the_network(any_backend, hello_task, host_server):
+    sandbox = any_backend.create(hello_task)
     try:
         local = sandbox.exec(_CONNECT.format(host="127.0.0.1", port=host_server), 30)
         assert local.exit_code != 0 and "ConnectionRefused" in local.stderr  # its own loopback only
         outside = sandbox.exec(_CONNECT.format(host="1.1.1.1", port=53), 30)
         assert outside.exit_code != 0 and "Network is unreachable" in outside.stderr
-        links = sandbox.exec(
-            "ls /sys/class/net 2>/dev/null; cat /proc/net/dev | tail -n +3 | cut -d: -f1", 30
-        )
+        links = sandbox.exec("cat /proc/net/dev | tail -n +3 | cut -d: -f1", 30)
         assert links.stdout.split() == ["lo"]
     finally:
         sandbox.close()
@@ -171,7 +187,7 @@ def test_network_is_shared_only_when_task_and_backend_allow_it(make_backend, hel
 
 def _host_pids(sandbox, needle: bytes) -> list[int]:
     found = []
-    for pid in processes_of_uid(sandbox.uid):
+    for pid in sandbox_processes(sandbox):
         try:
             if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
                 found.append(pid)
@@ -194,12 +210,12 @@ def test_agent_cannot_kill_processes_of_another_sandbox(backend, hello_task):
     try:
         victim.exec("setsid sleep 4242 > /dev/null 2>&1 &", 30)
         (victim_pid,) = _wait_for_pids(victim, b"sleep\x004242")
-        listing = attacker.exec("ps -eo args", 30).stdout
+        listing = attacker.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '", 30).stdout
         assert "4242" not in listing
         attempt = attacker.exec(f"kill -9 {victim_pid}; kill -9 -1; echo done", 30)
         assert "No such process" in attempt.stderr
         assert Path(f"/proc/{victim_pid}").exists() and _host_pids(victim, b"sleep\x004242") == [victim_pid]
-        assert victim.exec("pgrep -c -f 'sleep 424[2]'", 30).stdout == "1\n"
+        assert victim.exec(count_processes("sleep?4242?*"), 30).stdout == "1\n"
     finally:
         victim.close()
         attacker.close()
@@ -250,7 +266,9 @@ def test_filling_the_disk_hits_the_task_storage_cap(backend, hello_task):
         )
         assert fill.exit_code == 0 and "No space left on device" in fill.stderr
         assert int(fill.stdout.split()[0]) <= 16
-        more = sandbox.exec("echo x > /tmp/more; echo y > /root/more", 30)  # one cap for every writable dir
+        more = sandbox.exec(
+            "echo x > /tmp/more; echo y > /etc/more", 30
+        )  # one cap for every write in the root
         assert more.exit_code != 0 and "No space left on device" in more.stderr
         assert sandbox.exec("rm /app/fill && echo ok > /tmp/more && cat /tmp/more", 30).stdout == "ok\n"
     finally:
@@ -267,14 +285,14 @@ def test_daemons_do_not_survive_close(backend, hello_task):
     )
     for needle in (b"5151", b"5252", b"5353", b"while true"):
         assert len(_wait_for_pids(sandbox, needle)) >= 1
-    survivors = processes_of_uid(sandbox.uid)
+    survivors = sandbox_processes(sandbox)
     assert len(survivors) >= 5
     sandbox.close()
     assert_sandbox_gone(sandbox)
     assert not any(Path(f"/proc/{pid}").exists() for pid in survivors)
 
 
-# -- tampering with the verifier --------------------------------------------------------------------
+# -- tampering with the verifier (both backends) ---------------------------------------------------
 
 
 _PASSING_CONFTEST = textwrap.dedent(
@@ -306,30 +324,6 @@ def _noop_score(backend, task) -> tuple[int, int]:
     return report.passed, report.total
 
 
-def test_planted_conftest_cannot_raise_the_score(backend, hello_task, tmp_path):
-    # Positive control: the planted conftest does turn the task's failing tests green when loaded.
-    (tmp_path / "tests").mkdir()
-    shutil.copy(HARBOR_HELLO / "tests" / "test_outputs.py", tmp_path / "tests")
-    (tmp_path / "tests" / "conftest.py").write_text(_PASSING_CONFTEST)
-    control = subprocess.run(
-        ["/usr/bin/python3", "-P", "-s", str(backend.toolchain_dir / "run_pytest.py"),
-         "-p", "no:cacheprovider",
-         str(tmp_path / "tests")], capture_output=True, text=True, cwd=tmp_path,
-    )  # fmt: skip
-    assert control.returncode == 0 and "2 passed" in control.stdout
-    sandbox = backend.create(hello_task)
-    try:
-        for directory in ("/app", "/tmp", "/root", "/logs", "/logs/verifier"):
-            sandbox.exec(f"cat > {directory}/conftest.py <<'EOF'\n{_PASSING_CONFTEST}\nEOF", 30)
-        sandbox.exec("printf '[pytest]\\naddopts = -p no:junitxml\\n' > /app/pytest.ini", 30)
-        planted = sandbox.exec("ls /app/conftest.py /tmp/conftest.py /root/conftest.py /app/pytest.ini", 30)
-        assert planted.exit_code == 0
-        report = sandbox.verify()
-    finally:
-        sandbox.close()
-    assert (report.passed, report.total) == _noop_score(backend, hello_task) == (0, 2)
-
-
 def _write(sandbox, path: str, content: str, mode: str = "644") -> None:
     encoded = base64.b64encode(content.encode()).decode()
     result = sandbox.exec(
@@ -338,12 +332,53 @@ def _write(sandbox, path: str, content: str, mode: str = "644") -> None:
     assert result.exit_code == 0, result.stderr
 
 
-def test_fake_pytest_and_python_hijacks_cannot_raise_the_score(backend, hello_task):
-    sandbox = backend.create(hello_task)
+def test_planted_conftest_and_ini_cannot_raise_the_score(any_backend, hello_task, tmp_path, toolchain_dir):
+    # Positive control: the planted conftest does turn the task's failing tests green when loaded.
+    (tmp_path / "tests").mkdir()
+    shutil.copy(HARBOR_HELLO / "tests" / "test_outputs.py", tmp_path / "tests")
+    (tmp_path / "tests" / "conftest.py").write_text(_PASSING_CONFTEST)
+    control = subprocess.run(
+        [
+            "/usr/bin/python3",
+            "-P",
+            "-s",
+            str(toolchain_dir / "run_pytest.py"),
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "tests"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert control.returncode == 0 and "2 passed" in control.stdout
+    sandbox = any_backend.create(hello_task)
+    try:
+        for directory in ("/", "/app", "/tmp", "/root", "/logs", "/logs/verifier"):
+            _write(sandbox, f"{directory.rstrip('/')}/conftest.py", _PASSING_CONFTEST)
+        for ini in ("/pytest.ini", "/app/pytest.ini", "/tox.ini"):
+            _write(sandbox, ini, "[pytest]\naddopts = -p no:junitxml -p no:terminal\n")
+        sitecustomize = f"import os\nos.system({_FAKE_REPORTS!r})\n"
+        _write(
+            sandbox,
+            "/usr/local/lib/python3.11/dist-packages/zz_evil.pth",
+            f"import os; os.system({_FAKE_REPORTS!r})\n",
+        )
+        _write(sandbox, "/usr/lib/python3/dist-packages/sitecustomize.py", sitecustomize)
+        assert sandbox.exec("ls /conftest.py /app/conftest.py /pytest.ini", 30).exit_code == 0
+        report = sandbox.verify()
+    finally:
+        sandbox.close()
+    assert (report.passed, report.total) == _noop_score(any_backend, hello_task) == (0, 2)
+    assert report.reward_value == 0.0
+
+
+def test_fake_pytest_and_python_hijacks_cannot_raise_the_score(any_backend, hello_task):
+    sandbox = any_backend.create(hello_task)
     fake = f"#!/bin/sh\necho FAKE-PYTEST\n{_FAKE_REPORTS}\nexit 0\n"
     hijack_python = f"import os\nos.system({_FAKE_REPORTS!r})\nos._exit(0)\n"
     try:
-        for directory in ("/root/.local/bin", "/app", "/tmp"):
+        for directory in ("/root/.local/bin", "/app", "/tmp", "/usr/local/bin"):
             _write(sandbox, f"{directory}/pytest", fake, "755")
         _write(
             sandbox,
@@ -351,21 +386,30 @@ def test_fake_pytest_and_python_hijacks_cannot_raise_the_score(backend, hello_ta
             'export PATH=/root/.local/bin:/app:$PATH\nexport PYTEST_ADDOPTS="-p no:terminal"\n',
         )
         _write(sandbox, "/root/.profile", ". /root/.bashrc\n")
+        _write(sandbox, "/etc/profile.d/evil.sh", ". /root/.bashrc\n")
         _write(sandbox, "/app/pytest.py", hijack_python)
         _write(sandbox, "/app/_pytest/__init__.py", hijack_python)
         for name in ("usercustomize.py", "sitecustomize.py"):
             _write(sandbox, f"/root/.local/lib/python3.11/site-packages/{name}", hijack_python)
-        # Positive control: in the agent's own login shells the hijack works.
-        assert sandbox.exec("pytest /tests", 30).stdout.startswith("FAKE-PYTEST")
+        # Positive control: in the agent's own shells the hijack works.
+        assert sandbox.exec("bash -lic 'pytest /tests' 2>/dev/null", 30).stdout.startswith("FAKE-PYTEST")
+        # Last, the interpreters themselves: python3 and bash replaced by scripts that fake reports.
+        for target in ("/usr/bin/python3.11", "/usr/bin/bash"):
+            sandbox.exec(
+                f"cp /bin/dash /tmp/dash; rm -f {target}; printf '#!/tmp/dash\\n%s\\nexit 0\\n' "
+                f"'{_FAKE_REPORTS}' > {target} && chmod 755 {target}",
+                30,
+            )
+        assert sandbox.exec("python3 -c 'print(1)'; cat /logs/verifier/reward.txt", 30).stdout == "1\n"
         report = sandbox.verify()
     finally:
         sandbox.close()
     assert report.parsed and (report.passed, report.total) == (0, 2) and report.reward_value == 0.0
 
 
-def test_planted_reports_are_ignored(backend):
+def test_planted_reports_are_ignored(any_backend):
     task = load_task(TB1_HELLO)  # a verifier that writes no reward file of its own
-    sandbox = backend.create(task)
+    sandbox = any_backend.create(task)
     try:
         assert sandbox.exec(_FAKE_REPORTS + "; cat /logs/verifier/reward.txt", 30).stdout == "1\n"
         report = sandbox.verify()
@@ -374,30 +418,45 @@ def test_planted_reports_are_ignored(backend):
     assert report.parsed and (report.passed, report.total) == (0, 2) and report.reward_value is None
 
 
-def test_background_process_cannot_rewrite_files_during_verification(backend, hello_task):
-    sandbox = backend.create(hello_task)
+def test_daemon_running_through_verification_cannot_touch_tests_or_reports(any_backend, hello_task):
+    """The agent's processes keep running while the verifier runs (services must), but the tests
+    and the report directory exist only in the verifier's own mount namespace."""
+    sandbox = any_backend.create(hello_task)
+    conftest = _PASSING_CONFTEST.replace('"', "'").replace("\n", "\\n")
     writer = (
         "setsid sh -c 'while true; do "
-        '[ -d /tests ] && echo "def test_ok(): pass" > /tests/test_outputs.py 2>/dev/null; '
-        f"{_FAKE_REPORTS.replace(chr(39), chr(34))} 2>/dev/null; sleep 0.01; done' > /dev/null 2>&1 & "
-        "setsid sh -c 'sleep 1; echo Hello, world! > /app/hello.txt' > /dev/null 2>&1 &"
+        "cat /tests/test_outputs.py /run/t1jax-verifier/toolchain/run_pytest.py >> /tmp/saw 2>/dev/null; "
+        f'mkdir -p /tests 2>/dev/null; printf "{conftest}" > /tests/conftest.py 2>/dev/null; '
+        f"{_FAKE_REPORTS.replace(chr(39), chr(34))} 2>/dev/null; sleep 0.01; done' > /dev/null 2>&1 &"
     )
     try:
         sandbox.exec(writer, 30)
-        running = _wait_for_pids(sandbox, b"while true")
-        assert running and Path(f"/proc/{running[0]}").exists()  # the saboteurs are alive at verify time
+        assert sandbox.exec(count_processes("sh?-c?while?true*"), 30).stdout == "1\n"  # alive at verify time
+        assert "pytest_runtest_makereport" in sandbox.exec("cat /tests/conftest.py", 30).stdout  # planted
         report = sandbox.verify()
-        time.sleep(1.2)
-        hello = Path(f"/proc/{sandbox.holder_pid}/root/run/t1jax/disk/work/hello.txt")
-        assert not hello.exists()  # the delayed writer was killed before it could act
+        seen = _host_file(sandbox, "/tmp/saw")
+        still_running = sandbox.exec_raw(count_processes("sh?-c?while?true*"), 30, as_root=True) if hasattr(
+            sandbox, "exec_raw") else None  # fmt: skip
     finally:
         sandbox.close()
     assert report.parsed and (report.passed, report.total) == (0, 2) and report.reward_value == 0.0
+    assert not seen, f"the daemon read the tests or the toolchain: {seen[:200]}"
+    assert still_running is None or still_running.stdout == "1\n"
 
 
-def test_changed_tests_are_detected_by_checksum(backend, tmp_path):
+def _host_file(sandbox, path: str) -> str | None:
+    """A file of a live sandbox's root, read from the host (local: the holder's view; container: exec)."""
+    host_root = getattr(sandbox, "host_root", None)
+    if host_root is not None:
+        target = host_root / path.lstrip("/")
+        return target.read_text() if target.exists() else None
+    result = sandbox.exec_raw(f"cat {path} 2>/dev/null", 30, as_root=True)
+    return result.stdout if result.exit_code == 0 else None
+
+
+def test_changed_tests_are_detected_by_checksum(any_backend, tmp_path):
     task_dir = copy_task(HARBOR_HELLO, tmp_path / "task")
-    sandbox = backend.create(load_task(task_dir))
+    sandbox = any_backend.create(load_task(task_dir))
     try:
         (task_dir / "tests" / "test_outputs.py").write_text("def test_ok():\n    pass\n")
         report = sandbox.verify()
@@ -407,9 +466,9 @@ def test_changed_tests_are_detected_by_checksum(backend, tmp_path):
     assert "changed test_outputs.py" in report.detail
 
 
-def test_report_directory_swapped_for_a_symlink_is_replaced(backend):
+def test_report_directory_swapped_for_a_symlink_is_ignored(any_backend):
     task = load_task(TB1_HELLO)
-    sandbox = backend.create(task)
+    sandbox = any_backend.create(task)
     try:
         swap = sandbox.exec("rm -rf /logs/verifier && ln -s /app /logs/verifier && " + _FAKE_REPORTS, 30)
         assert swap.exit_code == 0 and sandbox.exec("ls /app", 30).stdout.split() == [
@@ -418,8 +477,6 @@ def test_report_directory_swapped_for_a_symlink_is_replaced(backend):
             "reward.txt",
         ]
         report = sandbox.verify()
-        disk = Path(f"/proc/{sandbox.holder_pid}/root/run/t1jax/disk")
-        assert (disk / "logs" / "verifier").is_dir() and not (disk / "logs" / "verifier").is_symlink()
     finally:
         sandbox.close()
     assert report.parsed and (report.passed, report.total) == (0, 2) and report.reward_value is None

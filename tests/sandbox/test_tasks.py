@@ -5,9 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_service.contracts import Difficulty, TaskLayout
+from sandbox_service.contracts import Difficulty, SkipReason, TaskLayout
 from sandbox_service.envbuild import check_environment
-from sandbox_service.tasks import TaskLoadError, find_task_dirs, load_dataset, load_task
+from sandbox_service.tasks import (
+    TaskLoadError,
+    UnsupportedTaskFormat,
+    find_task_dirs,
+    load_dataset,
+    load_task,
+)
 
 from .conftest import HARBOR_BUILD, HARBOR_HELLO, HARBOR_SALES, MALFORMED, TASKS, TB1_HELLO, TB1_LOGS
 
@@ -141,20 +147,18 @@ def test_dataset_skips_malformed_tasks_and_keeps_loading(tmp_path):
 
 
 def test_environment_check_rejects_unsupported_dockerfiles(tmp_path):
-    dataset = load_dataset(MALFORMED, environment_check=check_environment)
+    pool = shutil.copytree(MALFORMED, tmp_path / "pool")
+    (pool / "unsupported-instruction" / "environment" / "Dockerfile").write_text(
+        "FROM python:3.11-slim\nWORKDIR /app\nONBUILD RUN true\n"
+    )
+    dataset = load_dataset(pool, environment_check=check_environment)
     by_dir = {
         error.path.parent.parent.name: error for error in dataset.errors if error.field == "environment"
     }
     assert set(by_dir) == {"unsupported-base", "unsupported-instruction"}
     assert by_dir["unsupported-base"].path.name == "Dockerfile"
-    assert (
-        "line 1: base image 'alpine:3.19' is not a Debian, Ubuntu or python image"
-        in by_dir["unsupported-base"].message
-    )
-    assert (
-        "line 3: instruction VOLUME is outside the supported subset"
-        in by_dir["unsupported-instruction"].message
-    )
+    assert "line 1: base image 'alpine:3.19': Alpine Linux" in by_dir["unsupported-base"].message
+    assert "line 3: ONBUILD is not supported" in by_dir["unsupported-instruction"].message
     assert dataset.tasks == ()  # every malformed example is rejected one way or the other
 
 
@@ -188,3 +192,46 @@ def test_not_a_task_directory(tmp_path):
         load_task(tmp_path)
     with pytest.raises(FileNotFoundError):
         load_dataset(tmp_path / "missing")
+
+
+def test_formats_no_backend_runs_are_rejected_at_load_time_with_the_reason(tmp_path):
+    multi_step = shutil.copytree(HARBOR_HELLO, tmp_path / "multi-step")
+    (multi_step / "instruction.md").unlink()  # multi-step tasks need none at the top level
+    (multi_step / "task.toml").write_text(
+        '[task]\nname = "m"\n[[steps]]\nname = "a"\n[[steps]]\nname = "b"\n'
+    )
+    with pytest.raises(UnsupportedTaskFormat) as raised:
+        load_task(multi_step)
+    assert raised.value.skip_reason == SkipReason.MULTI_STEP and raised.value.field == "steps"
+    assert "a multi-step Harbor task (2 steps: a, b)" in str(raised.value)
+    compose = shutil.copytree(HARBOR_HELLO, tmp_path / "compose")
+    (compose / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  main: {build: .}\n  db: {image: x}\n"
+    )
+    with pytest.raises(UnsupportedTaskFormat, match=r"2 services: main, db") as raised:
+        load_task(compose)
+    assert raised.value.skip_reason == SkipReason.MULTI_CONTAINER
+    single = shutil.copytree(HARBOR_HELLO, tmp_path / "single")
+    (single / "environment" / "docker-compose.yaml").write_text("services:\n  main:\n    build: .\n")
+    assert load_task(single).environment.dockerfile == single / "environment" / "Dockerfile"
+
+
+def test_workdir_root_and_where_the_workdir_came_from(tmp_path):
+    task_dir = shutil.copytree(HARBOR_HELLO, tmp_path / "t")
+    (task_dir / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nWORKDIR /\n")
+    task = load_task(task_dir)
+    assert (task.environment.workdir, task.environment.workdir_from) == ("/", "Dockerfile")
+    (task_dir / "task.toml").write_text('[environment]\nworkdir = "relative/path"\n')
+    with pytest.raises(TaskLoadError) as raised:
+        load_task(task_dir)
+    assert raised.value.field == "environment.workdir" and raised.value.path.name == "task.toml"
+
+
+def test_harbor_solution_verifier_env_and_gpus(tmp_path):
+    task_dir = shutil.copytree(HARBOR_HELLO, tmp_path / "t")
+    (task_dir / "task.toml").write_text(
+        '[solution]\nenv = { MODE = "oracle" }\n[verifier]\nenv = { STRICT = 1 }\n[environment]\ngpus = 2\n'
+    )
+    task = load_task(task_dir)
+    assert task.solution_env == {"MODE": "oracle"} and task.verifier_env == {"STRICT": "1"}
+    assert task.environment.gpus == 2

@@ -1,19 +1,24 @@
 """Verifier planning (run the task's script or the pinned pytest), test checksums, the toolchain."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 
 from sandbox_service.tasks import load_task
 from sandbox_service.verifier import (
+    HOST_MOUNT,
+    IMAGE_MOUNT,
     PINNED_REQUIREMENTS,
     REPORT_DIR,
     TOOLCHAIN_MOUNT,
     Toolchain,
     ToolchainMissing,
     diff_manifests,
+    find_runtime,
     manifest_of_sources,
     plan_verifier,
+    resolve_in_root,
 )
 from sandbox_service.verifier import tests_manifest as manifest_of_tree
 
@@ -29,6 +34,9 @@ def test_script_that_only_needs_pytest_runs_itself_with_reports_added():
     assert plan.env["PATH"].startswith(f"{TOOLCHAIN_MOUNT}/bin:")
     assert f"--junitxml={REPORT_DIR}/junit.xml" in plan.env["PYTEST_ADDOPTS"]
     assert "--confcutdir=/tests" in plan.env["PYTEST_ADDOPTS"] and "PYTEST_PLUGINS" not in plan.env
+    # Only options any pytest has: a script that runs the image's own pytest must not die on --ctrf.
+    assert "--ctrf" not in plan.env["PYTEST_ADDOPTS"]
+    assert f"-c {TOOLCHAIN_MOUNT}/empty-pytest.ini" in plan.env["PYTEST_ADDOPTS"]
     assert plan.env["PYTHONNOUSERSITE"] == "1" and plan.env["HOME"] == "/root"
     tb1 = plan_verifier(load_task(TB1_LOGS), BASE_ENV)
     assert tb1.mode == "script" and tb1.argv[-1] == "/tests/run-tests.sh" and tb1.env["TEST_DIR"] == "/tests"
@@ -40,11 +48,62 @@ def test_script_that_only_needs_pytest_runs_itself_with_reports_added():
 def test_script_that_downloads_is_replaced_by_pinned_pytest(task_dir, script, tool):
     plan = plan_verifier(load_task(task_dir), BASE_ENV)
     assert plan.mode == "pytest"
-    assert plan.argv[:4] == ("/usr/bin/python3", "-P", "-s", f"{TOOLCHAIN_MOUNT}/run_pytest.py")
+    assert plan.argv[0] == f"{TOOLCHAIN_MOUNT}/bin/pytest"  # no pristine runtime: the container's python3
     assert plan.argv[-1] == "/tests/test_outputs.py"
     assert "--rootdir=/tests" in plan.argv and f"--ctrf={REPORT_DIR}/ctrf.json" in plan.argv
-    assert plan.note == f"ran pinned pytest on test_outputs.py instead of {script}, which uses {tool!r}"
+    assert plan.note.startswith(
+        f"ran pinned pytest on test_outputs.py instead of {script}, which uses {tool!r}"
+    )
     assert "PYTEST_ADDOPTS" not in plan.env
+
+
+def test_pinned_pytest_runs_on_the_pristine_interpreter():
+    """With a pristine root (here: the host's own /, a real root with a real python3), every program
+    the plan starts is a path under IMAGE_MOUNT run through that root's own dynamic loader."""
+    runtime = find_runtime(Path("/"), search_path="/usr/local/bin:/usr/bin:/bin")
+    assert runtime.python.program.startswith(IMAGE_MOUNT + "/usr/bin/python3.")
+    assert runtime.python.loader.startswith(IMAGE_MOUNT) and "ld-linux" in runtime.python.loader
+    assert runtime.python_home == IMAGE_MOUNT + "/usr" and runtime.host_mounts == ()
+    pytest_plan = plan_verifier(load_task(HARBOR_SALES), BASE_ENV, runtime)
+    assert pytest_plan.argv[:3] == (runtime.python.loader, "--library-path", runtime.python.library_path)
+    assert pytest_plan.argv[3] == runtime.python.program and "-S" in pytest_plan.argv
+    assert (
+        pytest_plan.env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] == "1"
+        and pytest_plan.env["PYTHONHOME"] == runtime.python_home
+    )
+    script_plan = plan_verifier(load_task(HARBOR_HELLO), BASE_ENV, runtime)
+    assert script_plan.argv[0] == runtime.bash.loader and script_plan.argv[3].startswith(
+        IMAGE_MOUNT + "/usr/bin/bash"
+    )
+    # `pytest` and `python3 -m pytest` in the script: bash functions that run the pinned toolchain
+    assert "run_pytest.py" in script_plan.env["BASH_FUNC_pytest%%"]
+    assert "pytest" in script_plan.env["BASH_FUNC_python3%%"]
+    # Really run the launcher the way the plan does (the host root stands for the image here).
+    local = {k: v.replace(IMAGE_MOUNT, "") if k.startswith("T1JAX") else v for k, v in runtime.env().items()}
+    assert local["T1JAX_PYTHON"].startswith("/usr/bin/python3.")
+
+
+def test_runtime_falls_back_to_the_host_when_the_image_has_no_python(tmp_path):
+    (tmp_path / "usr" / "bin").mkdir(parents=True)
+    shutil.copy("/usr/bin/bash", tmp_path / "usr" / "bin" / "bash")  # a bash, but not its loader
+    (tmp_path / "bin").symlink_to("usr/bin")
+    runtime = find_runtime(tmp_path, search_path="/usr/bin:/bin")
+    assert runtime.python.program.startswith(HOST_MOUNT + "/usr/bin/python3")
+    assert runtime.host_mounts == (("/usr", HOST_MOUNT + "/usr"),)
+    assert runtime.site_dirs == () and "the image has no python3" in runtime.note
+    assert runtime.bash.program == HOST_MOUNT + "/usr/bin/bash"  # a program that cannot load is not used
+
+
+def test_resolve_in_root_keeps_absolute_links_inside(tmp_path):
+    (tmp_path / "usr" / "bin").mkdir(parents=True)
+    (tmp_path / "usr" / "bin" / "python3.13").write_text("")
+    (tmp_path / "usr" / "local" / "bin").mkdir(parents=True)
+    (tmp_path / "usr" / "local" / "bin" / "python3").symlink_to(
+        "/usr/bin/python3.13"
+    )  # absolute, as in images
+    (tmp_path / "escape").symlink_to("/../../etc/passwd")
+    assert resolve_in_root(tmp_path, "/usr/local/bin/python3") == "/usr/bin/python3.13"
+    assert resolve_in_root(tmp_path, "/escape") is None  # /etc/passwd of the root, which it does not have
 
 
 def test_download_detection_and_test_file_choice(tmp_path):
@@ -94,6 +153,7 @@ def test_toolchain_must_be_set_up(tmp_path, toolchain_dir):
     assert (toolchain.directory / "run_pytest.py").is_file() and (
         toolchain.directory / "bin" / "pytest"
     ).is_file()
-    assert PINNED_REQUIREMENTS == ("pytest==8.4.1", "pytest-json-ctrf==0.3.5")
+    assert PINNED_REQUIREMENTS[:2] == ("pytest==8.4.1", "pytest-json-ctrf==0.3.5")
+    assert (toolchain.directory / "site" / "exceptiongroup").is_dir()  # pytest's backport for Python < 3.11
     assert (toolchain.directory / "site" / "pytest-8.4.1.dist-info").is_dir()
     assert (toolchain.directory / "site" / "pytest_json_ctrf-0.3.5.dist-info").is_dir()

@@ -103,3 +103,70 @@ def test_check_tasks_command_audits_a_task_pool(tmp_path, toolchain_dir):
     assert "t1jax/hello-world sound solution 2/2 noop 0/2" in result.stdout
     assert "1/1 tasks sound" in result.stdout
     assert time.monotonic() - started < 300
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sandbox_service", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("check-tasks", "/no/such/pool"), "task directory not found: /no/such/pool"),
+        (("check-tasks", "sandbox_service/backends"), "no tasks under sandbox_service/backends"),
+        (("check-tasks", "--workers", "0", "x"), "argument --workers: must be at least 1, got 0"),
+        (("check-tasks", "--task-timeout", "-5", "."), "--task-timeout must be positive, got -5"),
+        (("check-tasks", "--backend", "docker", "."), "argument --backend: invalid choice: 'docker'"),
+        (("serve", "--port", "eighty"), "argument --port: invalid int value: 'eighty'"),
+        (("stand-ins", "--nope"), "unrecognized arguments: --nope"),
+        (("frobnicate",), "argument command: invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = _cli(*args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr
+
+
+def test_debug_shows_the_traceback():
+    result = _cli("--debug", "check-tasks", "/no/such/pool")
+    assert result.returncode != 0 and "Traceback (most recent call last)" in result.stderr
+
+
+def test_check_tasks_ctrl_c_stops_promptly_and_reaps(tmp_path, toolchain_dir):
+    """Ctrl-C while a verifier runs: the command cancels its trials, reaps the run and exits 130
+    within seconds, and no sandbox of the run is left."""
+    pool = tmp_path / "pool"
+    task = shutil.copytree(REPO / "tests" / "data" / "tasks" / "harbor" / "hello-world", pool / "slow")
+    slow_test = "import time\n\n\ndef test_slow():\n    time.sleep(600)\n"
+    (task / "tests" / "test_outputs.py").write_text(slow_test)
+    (task / "task.toml").write_text('[task]\nname = "slow"\n[verifier]\ntimeout_sec = 900\n')
+    cache = tmp_path / "cache"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sandbox_service", "check-tasks", str(pool), "--backend", "local",
+         "--cache-dir", str(cache), "--toolchain-dir", str(toolchain_dir), "--run-id", "ctrl-c"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    observer = LocalBackend(cache_dir=cache, toolchain_dir=toolchain_dir)
+    try:
+        deadline = time.monotonic() + 180
+        while not observer.live_sandboxes("ctrl-c") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert observer.live_sandboxes("ctrl-c"), "the audit never started a sandbox"
+        time.sleep(3)  # into the verifier's sleep
+        process.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 130 and time.monotonic() - started < 30, stderr
+        assert "interrupted" in stderr and "Traceback" not in stderr
+        assert observer.live_sandboxes("ctrl-c") == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+        observer.close()

@@ -130,6 +130,17 @@ def test_dockerfile_only_task_needs_a_registry_and_maps_to_a_content_tag(tmp_pat
     assert RegistryImages("registry.example/t1").image_for(task) != name  # new context, new tag
 
 
+def test_environment_audit_names_the_pulled_image_or_why_there_is_none(kube, task, tmp_path):
+    _, backend = kube
+    audit = backend.environment_audit(task)
+    assert audit.runnable and audit.faithful and audit.image == task.environment.docker_image
+    dockerfile_only = write_hello_task(tmp_path / "other", docker_image=None)
+    assert backend.environment_audit(dockerfile_only).image == backend.images.image_for(dockerfile_only)
+    backend.images = RegistryImages(None)  # a backend given no image registry cannot run it
+    skipped = backend.environment_audit(dockerfile_only)
+    assert skipped.skip_reason.value == "unsupported_image" and "--image-registry" in skipped.detail
+
+
 def test_create_exec_close_call_sequence(kube, task):
     server, backend = kube
     sandbox = backend.create(task, run_id="run-1")

@@ -8,6 +8,7 @@ event loop, and 32 concurrent sandboxes with zero leaks.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import threading
 import time
@@ -78,8 +79,20 @@ def test_remote_sandbox_lifecycle_uploads_the_task_once(service, hello_task):
         ("test_file_content", True),
     ]
     assert report.binary_outcome is True and report.reward_value == 1.0
+    carried = dataclasses.replace(
+        report, output_tail="=== 2 passed ==="
+    )  # the verifier's console travels too
+    assert wire.verifier_report_from_json(wire.verifier_report_to_json(carried)) == carried
     sandbox.close()
     sandbox.close()
+
+    # How the service's backend runs the task, asked over HTTP: the same answer as in-process.
+    audit = service.client.environment_audit(hello_task)
+    assert audit == service.controller.environment_audit(hello_task)
+    assert audit.backend == "local" and audit.runnable and not audit.faithful
+    assert audit.substitutions[0].requested == "ubuntu:24.04" and "Ubuntu" in " ".join(
+        audit.substitutions[0].differences
+    )
 
     again = service.client.create(hello_task, run_id=run_id)
     again.close()

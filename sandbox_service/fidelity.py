@@ -1,0 +1,122 @@
+"""Which backend runs a task, on what image, and why a task is skipped: `environment_audit`.
+
+This module owns the one question every caller that scores tasks must ask before trusting a score:
+how will `provider` run `task`? The answer is an `EnvironmentAudit` (`contracts`): the backend, the
+image that runs, every base image replaced by a stand-in (with how it differs), or the reason the
+task is skipped. `check-tasks` writes it into each task's audit, and `t1jax eval` into each
+result, so no score is silently earned on a different image.
+
+Backends answer for their own environments (`provider.environment_audit(task)`: the local
+backend knows its Dockerfile subset and stand-in roots, the container backend resolves base
+images against the engine and registries). Two rules hold for every backend and are applied here:
+a task with `gpus > 0` is skipped (no backend here has GPUs), and a task whose reference solution
+downloads (curl, apt-get, pip install, git clone, ...) is skipped as `needs_internet` when the
+task allows internet but the provider gives it none (the solution could not pass, so judging the
+task on it would be wrong). Wrappers (`AdmissionController`, `SandboxServiceClient`) pass the
+question on to the backend behind them.
+
+Some reasons only show once a build runs: `build_failure_skip` reads a failed build's output and
+names the hosts it could not resolve (`unreachable_host`): a Dockerfile that fetches from a host
+this machine cannot reach says nothing about the task, so the task is skipped, not judged unsound.
+
+Invariant: `environment_audit` starts no sandbox and never raises for a task that loaded; a backend
+that cannot describe itself gets an audit saying so (`detail`), with `substitutions` unknown (empty).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from sandbox_service.contracts import EnvironmentAudit, SandboxProvider, SkipReason, Task
+from sandbox_service.solution import solution_network_use
+
+
+def environment_audit(task: Task, provider: SandboxProvider) -> EnvironmentAudit:
+    """How `provider` will run `task` (see the module docstring)."""
+    audit_of = getattr(provider, "environment_audit", None)
+    if audit_of is not None:
+        return audit_of(task)
+    name = getattr(provider, "name", type(provider).__name__)
+    image = task.environment.docker_image or (
+        f"built from {task.environment.dockerfile}" if task.environment.dockerfile else None
+    )
+    audit = EnvironmentAudit(
+        task.task_id, name, image, (), (), None, f"{name} does not report base-image substitutions"
+    )
+    return apply_common_rules(audit, task, internet_granted=task.environment.allow_internet)
+
+
+def apply_common_rules(audit: EnvironmentAudit, task: Task, *, internet_granted: bool) -> EnvironmentAudit:
+    """`audit` with the rules every backend shares (GPU, needs-internet) applied, if it is runnable."""
+    if not audit.runnable:
+        return audit
+    if task.environment.gpus > 0:
+        return dataclasses.replace(
+            audit,
+            skip_reason=SkipReason.NEEDS_GPU,
+            detail=f"the task asks for {task.environment.gpus} GPU(s)",
+        )
+    if task.environment.allow_internet and not internet_granted:
+        command = solution_network_use(task)
+        if command is not None:
+            return dataclasses.replace(
+                audit,
+                skip_reason=SkipReason.NEEDS_INTERNET,
+                detail=f"its reference solution runs {command!r} and {audit.backend} gives this task "
+                "no network "
+                "(the task allows internet; --allow-internet lets it through)",
+            )
+    return audit
+
+
+# What resolvers, downloaders and package managers print when a host name does not resolve; each
+# pattern captures the host.
+_UNRESOLVED_HOST_PATTERNS = tuple(
+    re.compile(pattern)
+    for pattern in (
+        r"Could not resolve host: ([\w.-]+)",  # curl, git over https
+        r"unable to resolve host address [‘'\"]([\w.-]+)",  # wget
+        r"(?:Temporary failure resolving|Could not resolve) '([\w.-]+)'",  # apt
+        r"host='([\w.-]+)'[^\n]*(?:NameResolutionError|Temporary failure in name resolution|"
+        r"Name or service not known)",  # pip / urllib3
+        r"dial tcp: lookup ([\w.-]+)[^\n]*(?:no such host|server misbehaving)",  # go
+        r"getaddrinfo (?:ENOTFOUND|EAI_AGAIN) ([\w.-]+)",  # npm, node
+        r"ssh: Could not resolve hostname ([\w.-]+)",
+    )
+)
+
+
+def unresolved_hosts(output: str) -> tuple[str, ...]:
+    """The host names `output` (a build's log) says could not be resolved, in first-seen order."""
+    hosts: dict[str, None] = {}
+    for pattern in _UNRESOLVED_HOST_PATTERNS:
+        for match in pattern.finditer(output):
+            hosts.setdefault(match.group(1).rstrip(".").lower(), None)
+    return tuple(hosts)
+
+
+def earlier_steps_note(hosts: tuple[str, ...]) -> str:
+    """A line for a build error naming hosts that earlier, succeeded steps could not resolve
+    (`curl ... | sh` succeeds when the download fails; only a later step notices nothing was
+    installed), worded so that `unresolved_hosts` reads them back; '' for none."""
+    if not hosts:
+        return ""
+    return "\n(earlier steps: " + "; ".join(f"Could not resolve host: {host}" for host in hosts) + ")"
+
+
+def build_failure_skip(error: BaseException) -> tuple[SkipReason, str] | None:
+    """Why a task whose sandbox failed to start is skipped rather than judged, or None.
+
+    A build that failed after a host name did not resolve is `unreachable_host` (the task may well
+    be fine where that host is reachable). Every other failure is the task's own (None)."""
+    message = str(error)
+    if "build" not in message.lower() and "dockerfile" not in message.lower():
+        return None
+    hosts = unresolved_hosts(message)
+    if not hosts:
+        return None
+    named = ", ".join(hosts[:4]) + (f" and {len(hosts) - 4} more" if len(hosts) > 4 else "")
+    return SkipReason.UNREACHABLE_HOST, (
+        f"building its image fetches from {named}, which this machine cannot reach"
+    )

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+echo 3 > /app/count.txt

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+report > /app/report.txt

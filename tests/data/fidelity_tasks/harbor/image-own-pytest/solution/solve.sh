@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+printf 'def add(a, b):\n    return a + b\n' > /app/calc.py

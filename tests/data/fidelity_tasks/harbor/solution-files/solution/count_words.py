@@ -1,0 +1,2 @@
+import sys
+print(len(open(sys.argv[1]).read().split()))

@@ -1,0 +1,4 @@
+#!/bin/bash
+set -euo pipefail
+test "$(pwd)" = /
+echo root > ./where.txt

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+find /var/data -name '*.log' | wc -l > /app/logs.txt

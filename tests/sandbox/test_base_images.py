@@ -1,0 +1,90 @@
+"""Base images: references, which stand-in imitates which image (and says how it differs), and the
+built roots themselves (real mmdebstrap output from `make setup`)."""
+
+import pytest
+
+from sandbox_service.base_images import (
+    ImageRef,
+    StandInStore,
+    UnsupportedImage,
+    stand_in_for,
+)
+
+from .conftest import STAND_IN_DIR
+
+
+def test_image_references_parse_like_docker():
+    ref = ImageRef.parse("ghcr.io/laude-institute/t-bench/python-3-13:20250620")
+    assert (ref.registry, ref.repository, ref.tag, ref.name) == (
+        "ghcr.io", "laude-institute/t-bench/python-3-13", "20250620", "python-3-13",
+    )  # fmt: skip
+    ref = ImageRef.parse("python:3.13-slim-bookworm@sha256:" + "a" * 64)
+    assert (ref.registry, ref.repository, ref.tag, ref.digest[:7]) == (
+        "docker.io",
+        "library/python",
+        "3.13-slim-bookworm",
+        "sha256:",
+    )
+    assert ImageRef.parse("localhost:5000/app").registry == "localhost:5000"
+    assert ImageRef.parse("ubuntu").tag == "latest"
+
+
+@pytest.mark.parametrize(
+    "image,recipe,noted",
+    [
+        ("python:3.11-slim", "python-3.11-bookworm", "Debian's python3 package"),
+        ("python:3.13", "python-3.13-trixie-full", "buildpack-deps tools"),
+        ("python:3.12-slim-bookworm", "python-3.13-trixie", "Python 3.13 instead of 3.12"),
+        ("public.ecr.aws/docker/library/python:3.13-slim-bookworm", "python-3.13-trixie",
+         "Debian trixie instead of bookworm"),
+        ("ubuntu:24.04", "debian-trixie-ubuntu-base", "instead of Ubuntu 24.04"),
+        ("ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624", "debian-trixie-ubuntu-base",
+         "Terminal-Bench base image"),
+        ("debian:bookworm-slim", "debian-bookworm", "minbase"),
+        ("golang:1.22", "golang-1.24-trixie", "Go 1.24 instead of 1.22"),
+        ("gcc:13", "gcc-13-trixie", "GCC 13"),
+        ("node:20-slim", "node-20-trixie", "Node.js 20"),
+        ("eclipse-temurin:17-jre", "openjdk-17-jre-bookworm", "instead of eclipse-temurin"),
+        ("rust:1.85", "rust-1.85-trixie", "no rustup"),
+    ],
+)  # fmt: skip
+def test_stand_ins_are_chosen_by_family_and_version_and_say_how_they_differ(image, recipe, noted):
+    chosen, substitution = stand_in_for(image)
+    assert chosen.name == recipe and substitution.recipe == recipe and substitution.requested == image
+    assert substitution.stand_in == chosen.image_tag and chosen.image_tag.startswith(
+        "localhost/t1jax-stand-in/"
+    )
+    text = substitution.describe()
+    assert noted in text and "tmux added for the terminal harness" in text
+
+
+@pytest.mark.parametrize(
+    "image,reason",
+    [("alpine:3.19", "Alpine"), ("python:3.12-alpine", "Alpine"),
+     ("nvidia/cuda:12.4.0-devel-ubuntu22.04", "CUDA"),
+     ("mcr.microsoft.com/dotnet/sdk:8.0", "no stand-in recipe"), ("scratch", "empty image")],
+)  # fmt: skip
+def test_families_nothing_imitates_are_unsupported_with_the_reason(image, reason):
+    with pytest.raises(UnsupportedImage, match=reason):
+        stand_in_for(image)
+
+
+def test_recipe_keys_change_exactly_with_the_recipe():
+    first, _ = stand_in_for("python:3.11-slim")
+    again, _ = stand_in_for("python:3.11")
+    assert first.key == stand_in_for("python:3.11-slim-bookworm")[0].key  # the same recipe
+    assert first.key != again.key  # slim and full differ in packages
+
+
+def test_a_built_stand_in_is_a_real_debian_root_with_the_official_images_apt_defaults():
+    recipe, _ = stand_in_for("python:3.11-slim")
+    store = StandInStore(STAND_IN_DIR)
+    built = store.built(recipe) or store.build(recipe)
+    assert built.manifest["key"] == recipe.key and built.manifest["packages"]["python3"].startswith("3.11")
+    root = store.shifted_root(recipe, 1_700_000_000)
+    assert (root / "etc" / "debian_version").read_text().startswith("12.")
+    assert (root / "usr" / "local" / "bin" / "python3").readlink().as_posix() == "/usr/bin/python3"
+    assert not (root / "etc" / "apt" / "apt.conf.d" / "99mmdebstrap").exists()  # recommends stay on
+    assert not list(root.glob("usr/lib/python3*/EXTERNALLY-MANAGED")) and not list(
+        root.glob("var/lib/apt/lists/*_Packages")
+    )
