@@ -172,7 +172,7 @@ def build_sandboxes(config: RunConfig, run_id: str):
         image_registry=section.image_registry,
         runtime_class=section.runtime_class,
         modal_app="t1jax-sandboxes",
-        pull=False,  # images are built from the task's Dockerfile or imported stand-ins
+        pull="auto",  # a local image, else a pull, else a stand-in (as `sandbox_service --pull auto`)
     )
     try:
         if section.backend in ("local", "container", "kubernetes", "modal"):
