@@ -31,13 +31,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from t1jax.model.axes import CONV_KERNEL, EMBED, HEAD_DIM, LINEAR_CONV, LINEAR_HEADS
 from t1jax.model.config import Qwen35MoeConfig
 from t1jax.model.hooks import active_hooks
 from t1jax.model.norms import GatedRMSNorm
 from t1jax.model.params import log_uniform_decay, make_param, normal, ones, uniform
 from t1jax.ops.causal_conv import causal_conv1d, causal_conv1d_step
 from t1jax.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
-from t1jax.parallel.rules import CONV_KERNEL, EMBED, HEAD_DIM, LINEAR_CONV, LINEAR_HEADS
 
 _L2_EPS = 1e-6
 

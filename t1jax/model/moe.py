@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from t1jax.model.axes import EMBED, EXPERT, EXPERT_MLP, MLP, ROUTER
 from t1jax.model.config import Qwen35MoeConfig
 from t1jax.model.hooks import active_hooks
 from t1jax.model.params import make_param, normal
-from t1jax.parallel.rules import EMBED, EXPERT, EXPERT_MLP, MLP, ROUTER
 
 NO_RECORD = -1  # replay value for a token without a routing record: route it freely
 
