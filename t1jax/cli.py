@@ -4,7 +4,7 @@ Each subcommand lives in its own module and contributes ``add_arguments(parser)`
 ``run(args) -> exit code``; register it in ``SUBCOMMANDS`` (imports are lazy so that ``t1jax plan``
 does not pay for the trainer's imports and vice versa).
 
-- ``t1jax plan``: rank sharding plans by per-device memory (``t1jax.parallel.planner``).
+- ``t1jax plan``: rank sharding plans by per-device memory (``t1jax.tools.planner``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("t1jax.parallel.planner", "rank sharding plans by the per-device memory model (paper Eq. 21)"),
+    "plan": ("t1jax.tools.planner", "rank sharding plans by the per-device memory model (paper Eq. 21)"),
 }
 
 

@@ -37,7 +37,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["blockwise_attention", "document_starts"]
+from t1jax.ops.varying import varying_like
+
+__all__ = ["blockwise_attention", "document_starts", "visited_key_blocks"]
 
 _NEG_INF = float("-inf")
 
@@ -138,6 +140,19 @@ def _key_block_ranges(q_segment_ids, kv_segment_ids, q_index, block_q, block_k):
     return lo, jnp.minimum(hi, num_k), needed
 
 
+def visited_key_blocks(q_segment_ids, kv_segment_ids, q_index, *, block_q: int, block_k: int) -> jax.Array:
+    """int32 [num query blocks]: how many key blocks each query block of ``blockwise_attention``
+    reads (the work it does), for T a multiple of ``block_q`` and S of ``block_k``."""
+    lo, hi, _ = _key_block_ranges(
+        q_segment_ids.astype(jnp.int32),
+        kv_segment_ids.astype(jnp.int32),
+        q_index.astype(jnp.int32),
+        block_q,
+        block_k,
+    )
+    return hi - lo
+
+
 def _block_mask(q_seg, q_idx, kv_seg, k_first, block_k, groups):
     """bool [B, 1, bq * G, bk] for one block pair (q_seg, q_idx [B, bq]; kv_seg [B, bk]; keys
     k_first .. k_first + bk - 1)."""
@@ -198,6 +213,7 @@ def _forward(q, k, v, q_segment_ids, kv_segment_ids, q_index, block_q, block_k):
             jnp.zeros((batch, kv_heads, rows), jnp.float32),
             jnp.zeros((batch, kv_heads, rows, head_dim), jnp.float32),
         )
+        init = varying_like(init, (q_blk, k, v, kv_segment_ids, q_seg, q_idx))
         m, l, acc = lax.fori_loop(lo_i, hi_i, key_block, init)
         seen = l > 0
         out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
@@ -269,10 +285,11 @@ def _backward(q, k, v, q_segment_ids, kv_segment_ids, q_index, out, lse, d_out, 
             return d_q, d_k, d_v
 
         zeros = jnp.zeros((batch, kv_heads, block_k, head_dim), jnp.float32)
+        zeros = varying_like(zeros, (q_rows, do_rows, lse, k_blk, v_blk, kv_seg, q_segment_ids, q_index))
         d_q, d_k, d_v = lax.fori_loop(lo_j, hi_j, query_block, (d_q, zeros, zeros))
         return d_q, (d_k, d_v)
 
-    d_q0 = jnp.zeros(q_rows.shape, jnp.float32)
+    d_q0 = varying_like(jnp.zeros(q_rows.shape, jnp.float32), (q_rows, do_rows, k, v, lse))
     steps = jnp.arange(num_k, dtype=jnp.int32)
     d_q, (d_k, d_v) = lax.scan(key_block, d_q0, (k_blocks, v_blocks, kv_seg_blocks, steps, q_lo, q_hi))
 
