@@ -186,10 +186,11 @@ class GatedAttention(nnx.Module):
         """Full forward over packed rows. x [B, T, hidden]; positions, segment_ids int32 [B, T]."""
         query, gate, key, value = self._project(x, positions)
         attention = active_hooks().attention
-        if attention is None:
-            attn = attention_core(query, key, value, segment_ids, self.execution)
-        else:
-            attn = attention(query, key, value, segment_ids, execution=self.execution)
+        with jax.named_scope("core"):
+            if attention is None:
+                attn = attention_core(query, key, value, segment_ids, self.execution)
+            else:
+                attn = attention(query, key, value, segment_ids, execution=self.execution)
         return self._output(attn, gate)
 
     def extend(

@@ -124,9 +124,11 @@ class GatedDeltaNet(nnx.Module):
         conv = causal_conv1d if sequence_ops is None else sequence_ops.causal_conv1d
         rule = chunk_gated_delta_rule if sequence_ops is None else sequence_ops.chunk_gated_delta_rule
         qkv, z, beta, g = self._project(x)
-        conv_out, _ = conv(qkv, self._conv_weight(), segment_ids=segment_ids)
+        with jax.named_scope("conv"):
+            conv_out, _ = conv(qkv, self._conv_weight(), segment_ids=segment_ids)
         q, k, v = self._split_heads(conv_out)
-        core, _ = rule(q, k, v, g, beta, segment_ids=segment_ids)
+        with jax.named_scope("delta_rule"):
+            core, _ = rule(q, k, v, g, beta, segment_ids=segment_ids)
         out = self._output(core, z)
         return out if sequence_ops is None else sequence_ops.leave(out)
 

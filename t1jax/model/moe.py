@@ -134,14 +134,15 @@ class SparseMoeBlock(nnx.Module):
         expert_ids, gate_weights = route(router_logits, self.config.num_experts_per_tok, flat_replay)
         dtype = self.dtype
         dispatch = active_hooks().routed_experts or routed_experts
-        routed = dispatch(
-            tokens,
-            expert_ids,
-            gate_weights,
-            self.experts.w_gate[...].astype(dtype),
-            self.experts.w_up[...].astype(dtype),
-            self.experts.w_down[...].astype(dtype),
-        )
+        with jax.named_scope("routed_experts"):
+            routed = dispatch(
+                tokens,
+                expert_ids,
+                gate_weights,
+                self.experts.w_gate[...].astype(dtype),
+                self.experts.w_up[...].astype(dtype),
+                self.experts.w_down[...].astype(dtype),
+            )
         shared_gate = jax.nn.sigmoid(
             tokens.astype(jnp.float32) @ self.shared_expert_gate[...].astype(jnp.float32)
         )

@@ -114,15 +114,18 @@ class DecoderLayer(nnx.Module):
         self.mlp = SparseMoeBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def _moe(self, hidden: jax.Array, replay_ids):
-        moe_out, expert_ids = self.mlp(self.post_attention_layernorm(hidden), replay_ids)
+        with jax.named_scope("moe"):  # scopes name the profile's ops (bench/model_step.py --profile)
+            moe_out, expert_ids = self.mlp(self.post_attention_layernorm(hidden), replay_ids)
         return hidden + moe_out, expert_ids
 
     def __call__(self, hidden, *, positions, segment_ids, replay_ids):
         normed = self.input_layernorm(hidden)
         if self.is_full_attention:
-            mixed = self.self_attn(normed, positions=positions, segment_ids=segment_ids)
+            with jax.named_scope("attention"):
+                mixed = self.self_attn(normed, positions=positions, segment_ids=segment_ids)
         else:
-            mixed = self.linear_attn(normed, segment_ids=segment_ids)
+            with jax.named_scope("gated_deltanet"):
+                mixed = self.linear_attn(normed, segment_ids=segment_ids)
         return self._moe(hidden + mixed, replay_ids)
 
     def extend(self, hidden, layer_cache, *, cache_lengths, valid_lengths, replay_ids):
@@ -374,15 +377,19 @@ class Qwen35MoeForCausalLM(nnx.Module):
             input_ids, segment_ids=segment_ids, positions=positions, routing_replay=routing_replay
         )
         target_ids = _check_same_shape("target_ids", target_ids, out.hidden_states.shape[:2])
-        logprobs = chunked_target_logprobs(
-            out.hidden_states.astype(self.dtype),
+        with jax.named_scope("lm_head"):
+            logprobs = self._chunked_logprobs(out.hidden_states, target_ids)
+        return TargetLogprobs(logprobs=logprobs, routing=out.routing)
+
+    def _chunked_logprobs(self, hidden: jax.Array, target_ids: jax.Array) -> jax.Array:
+        return chunked_target_logprobs(
+            hidden.astype(self.dtype),
             self._head_kernel(),
             target_ids,
             num_chunks=num_chunks_for(target_ids.shape[1], self.execution.logits_chunk),
             constrain_logits=lambda x: constrain(x, (ACT_BATCH, ACT_LENGTH, ACT_VOCAB)),
             constrain_kernel=lambda x: constrain(x, (EMBED, VOCAB)),
         )
-        return TargetLogprobs(logprobs=logprobs, routing=out.routing)
 
     def init_cache(self, batch_size: int, max_len: int) -> DecodeCache:
         return init_cache(self.config, batch_size, max_len, self.dtype)

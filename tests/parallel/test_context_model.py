@@ -18,13 +18,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from t1jax.model import Qwen35MoeForCausalLM, with_execution
 from t1jax.model.attention import attend, packed_causal_mask
+from t1jax.model.config import FULL_ATTENTION, LINEAR_ATTENTION
 from t1jax.model.execution import ExecutionConfig
 from t1jax.ops.context_parallel import PackedSequenceDescriptor
 from t1jax.ops.flash_attention import visited_key_blocks
 from t1jax.parallel.context import ContextLayout, context_parallel_attention
 from t1jax.parallel.forward import parallel_forward
 from t1jax.parallel.plan import ShardingPlan, batch_sharding, make_mesh, param_shardings
+from tests.model.model_helpers import randomize_all
 
 ROWS = 2
 
@@ -274,14 +277,35 @@ def test_train_forward_and_gradients_match_single_device(tiny_model, tiny_config
     device. Gradients re-associate sums over tokens and devices (FSDP reduce-scatters, K/V
     cotangent reduce-scatters, EP returns): parameters whose gradient is a heavily cancelling sum
     (A_log, dt_bias) see ~1e-4 of their own (small) scale, the whole gradient ~1e-6 in L2."""
+    _check_train_step(tiny_model, tiny_model, tiny_config, plan)
+
+
+@pytest.mark.slow
+def test_scanned_layers_under_a_plan_match_the_unrolled_single_device_step(tiny_config):
+    """The layer scan (three repeats of a [linear, full] period, each layer rematerialised inside
+    the scan body) with expert and context parallelism, against the unrolled single-device step."""
+    types = (LINEAR_ATTENTION, FULL_ATTENTION) * 3
+    model = Qwen35MoeForCausalLM(
+        tiny_config.replace(num_hidden_layers=6, layer_types=types), rngs=nnx.Rngs(5)
+    )
+    randomize_all(model, seed=5)
+    for layer in model.model.layers:
+        layer.mlp.gate.set_value(layer.mlp.gate[...] * 20.0)
+    scanned = with_execution(model, ExecutionConfig(scan_layers=True))
+    plan = ShardingPlan(name="fsdp2-expert2-context2", fsdp=2, expert=2, context=2)
+    _check_train_step(model, scanned, tiny_config, plan)
+
+
+def _check_train_step(reference_model, sharded_model, tiny_config, plan):
     descriptor, segment_ids, input_ids, targets, mask = _grad_case(tiny_config, plan.context)
-    graphdef, state = nnx.split(tiny_model)
+    graphdef, state = nnx.split(reference_model)
     _, replay = _single_forward(graphdef)(state, input_ids, segment_ids)
     replay = np.asarray(replay)
     (want_loss, want_logits), want_grads = _single_train_grad(graphdef)(
         state, input_ids, segment_ids, replay, targets, mask
     )
 
+    graphdef = nnx.graphdef(sharded_model)
     mesh = make_mesh(plan)
     layout = ContextLayout.interleaved(descriptor)
     batch = layout.prepare(input_ids, segment_ids, routing_replay=replay)

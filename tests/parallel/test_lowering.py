@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from t1jax.model import load_config, load_execution
+from t1jax.model import ExecutionConfig, load_config, load_execution
 from t1jax.parallel.capacity import padded_tokens
 from t1jax.parallel.plan import ShardingPlan, load_plan
 from t1jax.tools.lowering import lower_learner_programs
@@ -17,10 +17,12 @@ BIG = REPO / "configs" / "qwen35_122b_a10b.yaml"
 
 
 def test_learner_programs_lower_for_a_512_device_tpu_mesh(tiny_config):
-    """The programs `Learner.step` runs under a plan using every axis."""
+    """The programs `Learner.step` runs under a plan using every axis, the decoder scanned over
+    two repeats of its period with each layer rematerialised inside the scan."""
     plan = ShardingPlan(data=4, fsdp=2, expert=8, context=4, tensor=2, moe_collective="ragged")
     assert plan.devices == 512
-    reports = lower_learner_programs(tiny_config, plan, 1024)
+    config = tiny_config.replace(num_hidden_layers=8)
+    reports = lower_learner_programs(config, plan, 1024, execution=ExecutionConfig(scan_layers=True))
     assert set(reports) == {"actor_grad", "critic_grad"}
     for report in reports.values():
         text = report.lowered.as_text()
@@ -28,6 +30,7 @@ def test_learner_programs_lower_for_a_512_device_tpu_mesh(tiny_config):
         assert "ragged_all_to_all" in text and "ragged_dot" in text  # TPU expert dispatch
         assert "collective_permute" in text  # the context-parallel state relay
         assert "all_gather" in text  # K/V gathered for blockwise context-parallel attention
+        assert "checkpoint" in text or "remat" in text or "optimization_barrier" in text  # layer remat
     # Every parameter (and the batch) is an argument of the program.
     assert reports["actor_grad"].arguments > 50
 
