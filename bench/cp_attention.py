@@ -53,8 +53,9 @@ def _balance(order: np.ndarray, segment_ids: np.ndarray, degree: int, block: int
 
 
 def _run(degree: int, execution: ExecutionConfig, tokens: int, repeats: int):
+    first = tokens // 3 // 32 * 32  # both documents split into 2D chunks for every D <= 16
     descriptor = PackedSequenceDescriptor.from_documents(
-        [[tokens // 3, tokens - tokens // 3]], row_length=tokens, context_degree=degree
+        [[first, tokens - first]], row_length=tokens, context_degree=degree
     )
     segment_ids = descriptor.segment_ids()
     layout = ContextLayout.interleaved(descriptor)
@@ -92,6 +93,12 @@ def _run(degree: int, execution: ExecutionConfig, tokens: int, repeats: int):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument(
+        "--dense-tokens",
+        type=int,
+        default=4096,
+        help="T of the dense reference (its [T/D, T] scores: at 8192 one device needs ~20 GB)",
+    )
     parser.add_argument("--degrees", default="1,2,4,8")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block", type=int, default=256, help="blockwise query and key block length")
@@ -99,20 +106,23 @@ def main():
     degrees = [int(d) for d in args.degrees.split(",")]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
-        f"context-parallel attention fwd+bwd, T = {args.tokens}, {HEADS} heads / {KV_HEADS} kv heads x "
+        f"context-parallel attention fwd+bwd, {HEADS} heads / {KV_HEADS} kv heads x "
         f"{HEAD_DIM}, float32, {len(jax.devices())} CPU devices, load average {load}"
     )
     kernels = {
-        "blockwise": ExecutionConfig(attention_block_q=args.block, attention_block_k=args.block),
-        "dense": ExecutionConfig(attention="dense"),
+        "blockwise": (
+            ExecutionConfig(attention_block_q=args.block, attention_block_k=args.block),
+            args.tokens,
+        ),
+        "dense": (ExecutionConfig(attention="dense"), args.dense_tokens),
     }
-    for name, execution in kernels.items():
-        print(f"\n{name}")
+    for name, (execution, tokens) in kernels.items():
+        print(f"\n{name}, T = {tokens}")
         header = f"{'D':>3} {'MiB/device':>11} {'ratio':>6} {'fwd+bwd s':>10} {'ratio':>6}"
         print(f"{header} {'balance zigzag / contiguous':>28}")
         base = None
         for degree in degrees:
-            memory, seconds, balance = _run(degree, execution, args.tokens, args.repeats)
+            memory, seconds, balance = _run(degree, execution, tokens, args.repeats)
             base = base or (memory, seconds)
             cells = "" if balance is None else f"{balance[0]:>13.2f} / {balance[1]:.2f}"
             print(

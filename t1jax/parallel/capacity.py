@@ -12,9 +12,9 @@ the other (critic first), so the peak is that of the larger one on top of what i
     b(plan, T) = max over role in (actor, critic) of
                  weights + gradients + optimizer + other_network + retained          (exact)
                + batch + boundary                                                      (exact)
-               + c_act layer + c_moe dispatch + c_ragged ragged_dense + c_saved saved
-               + c_attn attention_scores + c_mask attention_mask + c_logit logits
-               + c_scan scan_copy                                                      (fitted)
+               + c_act layer + c_moe dispatch + c_saved saved
+               + c_attn attention_scores + c_mask attention_mask + c_block attention_blocks
+               + c_logit logits + c_scan scan_copy                                     (fitted)
                + residue                                                                 (<= M)
 
 Terms, per device, for ``rows`` sequences of T tokens per batch shard (``n = rows * T / context``
@@ -47,16 +47,17 @@ tokens on a device; the terminal stage when a pipeline degree is given):
 - ``dispatch``: the MoE's dispatched rows and their expert intermediates: k rows per token, or
   with expert parallelism the worst-case receive buffer eta * min(k, E / eta) rows per token
   (no token is ever dropped), plus the padded collective's blocks where it is used.
-- ``ragged_dense``: only where ``lax.ragged_dot`` has no native kernel (XLA:CPU lowers it densely:
-  every dispatched row is expanded over all local experts), rows x E_local x (2 hidden + I).
 - ``saved``: without remat, every layer's residuals kept for the backward.
-- ``attention_scores`` / ``attention_mask``: dense attention: the [T / context, T] float32 score
-  block per local head and its mask per row (one layer with remat, all attention layers
-  without); blockwise: the [block_q, block_k] blocks of scores, probabilities and their
-  gradients per local head (no mask term).
+- ``attention_scores`` / ``attention_mask``: dense attention only: the [T / context, T] float32
+  score block per local head and its mask per row (one layer with remat, all attention layers
+  without).
+- ``attention_blocks``: blockwise attention only: one [block_q, block_k] block of scores,
+  probabilities and their two gradients per local head (no [T, T] term at all).
 - ``logits``: the actor's head: one chunk of the chunked log-probabilities, (n / chunks) x |V| /
   tensor float32 (``t1jax.ops.cross_entropy``; the paper's 4|V|T/kappa term divided by the chunk
-  count). The critic's value head has none.
+  count). The head and a decoder layer peak at different moments of the backward pass, so the
+  estimate charges max(head, layer phase): this term reports what the head adds beyond the layer
+  phase (``layer`` + ``dispatch`` + the attention terms; often 0). The critic has no head.
 - ``residue``: b0 (calibrated) plus ``residue_fraction`` x M for allocator fragmentation on the
   device (0 when comparing with XLA's analysis, which has none).
 
@@ -67,9 +68,10 @@ several token counts, vocabularies, expert counts, depths and plans (``t1jax.too
 T = 8192 among them. A compiled program holds its arguments, temporaries and outputs: the
 ``program_terms`` of its role; the resident extras (optimizer, other network, retained versions,
 accumulator) are exact shapes and are added on top. A calibration records its backend: XLA:CPU's
-numbers include the dense ragged_dot; a TPU calibration (the same code on a TPU host) replaces
-them. On CPU the programs are compiled with XLA:CPU's memory-optimised scheduler (the default
-one optimises for concurrency and recomputes every remat'd layer up front, which accelerators'
+numbers reflect its fusion and buffer-reuse decisions (and the MoE's tiled grouped matmul,
+``t1jax.ops.grouped_matmul``); a TPU calibration (the same code on a TPU host) replaces them. On
+CPU the programs are compiled with XLA:CPU's memory-optimised scheduler (the default one
+optimises for concurrency and recomputes every remat'd layer up front, which accelerators'
 memory-aware schedulers do not do).
 
 Assumptions, stated once: Adam; float32 moments; a float32 master copy iff param_dtype is not
@@ -100,6 +102,7 @@ CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "configs" / "capacity"
 ROLES = ("actor", "critic")
 ATTENTION = ("dense", "blockwise")
 RESIDENCY = ("co-resident", "offload")
+PLATFORMS = ("tpu", "gpu", "cpu")
 # Terms computed exactly from shapes, and terms scaled by a calibrated coefficient (in the order
 # of `fit_calibration`'s unknowns; the residue b0 is the last unknown). PROGRAM_EXACT_TERMS are
 # what a compiled gradient program itself holds; RESIDENT_TERMS live beside it.
@@ -109,10 +112,10 @@ EXACT_TERMS = (*PROGRAM_EXACT_TERMS, *RESIDENT_TERMS)
 FITTED_TERMS = (
     "layer",
     "dispatch",
-    "ragged_dense",
     "saved",
     "attention_scores",
     "attention_mask",
+    "attention_blocks",
     "logits",
     "scan_copy",
 )
@@ -126,8 +129,9 @@ TERMS = (*EXACT_TERMS, *FITTED_TERMS, "residue")
 
 @dataclasses.dataclass(frozen=True)
 class MemoryAssumptions:
-    """What a step keeps, beyond the plan. ``ragged_dot``: "dense" (XLA:CPU's lowering) or
-    "grouped" (TPU/GPU kernels); ``attention``: "blockwise" (t1jax's default kernel, and the
+    """What a step keeps, beyond the plan. ``platform``: the backend the step runs on ("cpu"
+    has no ragged all-to-all, so the "auto" MoE collective is the padded one there);
+    ``attention``: "blockwise" (t1jax's default kernel, and the
     memory of the splash kernel) or "dense"; ``residency``: "co-resident" (both networks'
     state on the devices, as `Learner` holds it) or "offload" (only the running network's,
     the paper's forced offload); ``retained_versions``: published actor versions kept for the
@@ -136,7 +140,7 @@ class MemoryAssumptions:
 
     param_dtype: str = "bfloat16"
     compute_dtype: str = "bfloat16"
-    ragged_dot: str = "grouped"
+    platform: str = "tpu"
     attention: str = "blockwise"
     rows: int = 1
     residue_fraction: float = 0.03
@@ -153,8 +157,8 @@ class MemoryAssumptions:
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(f"{name} must be one of {sorted(DTYPE_BYTES)}, got {getattr(self, name)!r}")
-        if self.ragged_dot not in ("dense", "grouped"):
-            raise ValueError(f"ragged_dot must be 'dense' or 'grouped', got {self.ragged_dot!r}")
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.residency not in RESIDENCY:
@@ -197,10 +201,10 @@ class Calibration:
 
     activation: float
     dispatch: float
-    ragged: float
     saved: float
     attention: float
     mask: float
+    blocks: float
     logits: float
     residue_bytes: float
     scan: float = 1.0
@@ -226,8 +230,9 @@ class Calibration:
 
     def coefficients(self) -> dict[str, float]:
         """Fitted term name -> its multiplicity."""
-        values = (self.activation, self.dispatch, self.ragged, self.saved, self.attention, self.mask)
-        return dict(zip(FITTED_TERMS, (*values, self.logits, self.scan), strict=True))
+        values = (self.activation, self.dispatch, self.saved, self.attention, self.mask, self.blocks)
+        scale = dict(zip(FITTED_TERMS, (*values, self.logits, self.scan), strict=True))
+        return scale | {"layer_attention": self.activation}
 
 
 def default_calibration() -> Calibration:
@@ -444,31 +449,29 @@ def program_terms(
     # The dispatched rows and their expert intermediates (k per token; with expert parallelism
     # the worst-case receive buffer), and the padded collective's blocks out and back.
     dispatch = rows_per_token * (2 * hidden + 3 * inter) * compute
-    # "auto" is the ragged all-to-all except on CPU (where ragged_dot is dense too): padded there.
+    # "auto" is the ragged all-to-all except on CPU (which has none): padded there.
     padded = plan.moe_collective == "padded" or (
-        plan.moe_collective == "auto" and assumptions.ragged_dot == "dense"
+        plan.moe_collective == "auto" and assumptions.platform == "cpu"
     )
     if eta > 1 and padded:
         dispatch += 2 * rows_per_token * hidden * compute
-    ragged = rows_per_token * local_experts * (2 * hidden + inter) * compute
-    if assumptions.ragged_dot == "grouped":
-        ragged = 0.0
 
     per_type = {LINEAR_ATTENTION: gdn + moe, FULL_ATTENTION: attention + moe}
     attention_layers = sum(1 for t in layers_here if t == FULL_ATTENTION)
-    # One layer's working set is live in either mode (the backward of the layer being processed).
-    layer = local_tokens * max(per_type[t] for t in set(layers_here))
+    # One layer's working set is live in either mode (the backward of the layer being processed):
+    # a Gated DeltaNet layer's or an attention layer's, whichever is larger (``calibrated``).
+    layer = local_tokens * per_type[LINEAR_ATTENTION] if LINEAR_ATTENTION in layers_here else 0.0
+    layer_attention = local_tokens * per_type[FULL_ATTENTION] if attention_layers else 0.0
     dispatch_bytes = local_tokens * dispatch
-    ragged_bytes = local_tokens * ragged
     if plan.remat == "layer":
         boundary = local_tokens * (len(layers_here) + 1) * hidden * compute
         saved = 0.0
         live_attention = min(1, attention_layers)
-    else:  # every layer's residuals are kept for the backward
+    else:  # every layer's residuals are kept for the backward (dense attention: its probabilities)
         boundary = local_tokens * hidden * compute
         saved = local_tokens * sum(per_type[t] + dispatch for t in layers_here)
-        live_attention = attention_layers
-    scores = mask = 0.0
+        live_attention = attention_layers if assumptions.attention == "dense" else min(1, attention_layers)
+    scores = mask = blocks = 0.0
     query_rows = tokens / context
     if assumptions.attention == "dense":
         # Per local head a float32 [T / context, T] score block; per row one mask (shared by heads).
@@ -479,7 +482,7 @@ def program_terms(
         # Scores, probabilities and their two gradients of one [block_q, block_k] block per head.
         block_q = min(assumptions.attention_block_q, query_rows)
         block_k = min(assumptions.attention_block_k, tokens)
-        scores = live_attention * 4 * rows * heads * block_q * block_k * f32
+        blocks = live_attention * 4 * rows * heads * block_q * block_k * f32
     logits = 0.0
     if role == "actor":
         vocab = config.vocab_size / _divides(config.vocab_size, tau)
@@ -496,11 +499,12 @@ def program_terms(
         "boundary": boundary,
         "scan_copy": scan_copy,
         "layer": layer,
+        "layer_attention": layer_attention,
         "dispatch": dispatch_bytes,
-        "ragged_dense": ragged_bytes,
         "saved": saved,
         "attention_scores": scores,
         "attention_mask": mask,
+        "attention_blocks": blocks,
         "logits": logits,
     }
 
@@ -588,10 +592,37 @@ class MemoryEstimate:
         return f"{self.role} step over by {over:.1f} GiB; largest term {name} = {share:.0%} of M"
 
 
+# The backward pass peaks in one place at a time: in a Gated DeltaNet layer (its working set and
+# the MoE dispatch), in an attention layer (its working set, its attention terms and the dispatch)
+# or in the LM head (one chunk of logits and their gradient).
+ATTENTION_TERMS = ("attention_scores", "attention_mask", "attention_blocks")
+
+
+def _phases(scaled: dict[str, float]) -> tuple[float, float, float]:
+    """(Gated DeltaNet layer, attention layer, head) working sets from scaled terms."""
+    linear = scaled.get("layer", 0.0)
+    attention = scaled.get("layer_attention", 0.0) + sum(scaled.get(name, 0.0) for name in ATTENTION_TERMS)
+    return linear, attention, scaled.get("logits", 0.0)
+
+
 def calibrated(terms: dict[str, float], calibration: Calibration) -> dict[str, float]:
-    """Structural terms with the fitted ones scaled by the calibration (no residue)."""
+    """Structural terms with the fitted ones scaled by the calibration (no residue), and the peak
+    phase resolved so that the terms add up to the peak: ``layer`` is the binding layer type's
+    working set (the attention terms count only when an attention layer binds), and ``logits`` is
+    what the head's chunk needs beyond that layer phase (often 0)."""
     scale = calibration.coefficients()
-    return {name: value * scale.get(name, 1.0) for name, value in terms.items()}
+    scaled = {name: value * scale.get(name, 1.0) for name, value in terms.items()}
+    linear, attention, head = _phases(scaled)
+    out = {name: value for name, value in scaled.items() if name != "layer_attention"}
+    if "layer_attention" in scaled:
+        if attention >= linear:
+            out["layer"] = scaled["layer_attention"]
+        else:
+            out.update({name: 0.0 for name in ATTENTION_TERMS})
+    layer_phase = max(linear, attention) + scaled.get("dispatch", 0.0)
+    if "logits" in out:
+        out["logits"] = max(0.0, head - layer_phase)
+    return out
 
 
 def estimate(
@@ -733,12 +764,12 @@ class CalibrationPoint:
 
 
 def cpu_assumptions(rows: int = 1) -> MemoryAssumptions:
-    """What the CPU calibration compiles: float32 everywhere, dense ragged_dot, the blockwise
-    kernel with the default blocks, no fragmentation allowance."""
+    """What the CPU calibration compiles: float32 everywhere, the blockwise kernel with the
+    default blocks, no fragmentation allowance."""
     return MemoryAssumptions(
         param_dtype="float32",
         compute_dtype="float32",
-        ragged_dot="dense",
+        platform="cpu",
         rows=rows,
         residue_fraction=0.0,
     )
@@ -747,27 +778,47 @@ def cpu_assumptions(rows: int = 1) -> MemoryAssumptions:
 def fit_calibration(
     samples: Sequence[tuple[Qwen35MoeConfig, CalibrationPoint, str, int]], *, backend: str, jax_version: str
 ) -> Calibration:
-    """Non-negative least squares of (measured bytes - exact program terms) on the fitted program
-    terms, over (config, point, role, measured bytes) samples, each row weighted by 1 / measured
-    (so relative errors count equally)."""
-    from scipy.optimize import nnls
+    """Least squares, with non-negative coefficients, of the relative error of the predicted
+    program bytes (exact terms + fitted terms with the peak phase as a max, see ``calibrated``,
+    + b0) over (config, point, role, measured bytes) samples (started from an additive NNLS)."""
+    from scipy.optimize import least_squares, nnls
 
-    rows, targets = [], []
-    for config, point, role, measured in samples:
+    features, exact, measured = [], [], []
+    for config, point, role, nbytes in samples:
         raw = program_terms(config, point.plan, point.tokens, point.assumptions(), role)
-        exact = sum(raw[name] for name in PROGRAM_EXACT_TERMS)
-        fitted = np.array([raw[name] for name in FITTED_TERMS] + [1.0])
-        rows.append(fitted / measured)
-        targets.append((measured - exact) / measured)
-    coefficients, _ = nnls(np.asarray(rows), np.asarray(targets))
-    activation, dispatch, ragged, saved, attention, mask, logits, scan, residue = (
-        float(c) for c in coefficients
-    )
+        exact.append(sum(raw[name] for name in PROGRAM_EXACT_TERMS))
+        features.append([raw[name] for name in FITTED_TERMS] + [1.0, raw["layer_attention"]])
+        measured.append(nbytes)
+    features, exact, measured = np.asarray(features), np.asarray(exact), np.asarray(measured, float)
+    names = (*FITTED_TERMS, "residue")
+    index = {name: names.index(name) for name in names}
+    additive = [index[name] for name in ("saved", "scan_copy", "residue")]
+    attention_extras = [index[name] for name in ATTENTION_TERMS]
+
+    def predicted(c):
+        scaled = features[:, : len(names)] * c
+        linear = scaled[:, index["layer"]]
+        attention = features[:, -1] * c[index["layer"]] + scaled[:, attention_extras].sum(1)
+        layer_phase = np.maximum(linear, attention) + scaled[:, index["dispatch"]]
+        return exact + scaled[:, additive].sum(1) + np.maximum(scaled[:, index["logits"]], layer_phase)
+
+    additive_model = features[:, : len(names)].copy()
+    additive_model[:, index["layer"]] = np.maximum(features[:, index["layer"]], features[:, -1])
+    start, _ = nnls(additive_model / measured[:, None], (measured - exact) / measured)
+    # The maxima are flat in a coefficient wherever another phase wins: start the head's
+    # coefficient at several values so the fit can find where the head binds.
+    fits = []
+    for head_start in (start[index["logits"]], 1.0, 2.0, 4.0):
+        guess = start.copy()
+        guess[index["logits"]] = head_start
+        fits.append(least_squares(lambda c: predicted(c) / measured - 1.0, guess, bounds=(0.0, np.inf)))
+    fit = min(fits, key=lambda f: f.cost)
+    activation, dispatch, saved, attention, mask, blocks, logits, scan, residue = (float(c) for c in fit.x)
     return Calibration(
         scan=scan,
         activation=activation,
         dispatch=dispatch,
-        ragged=ragged,
+        blocks=blocks,
         saved=saved,
         attention=attention,
         mask=mask,

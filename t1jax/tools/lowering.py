@@ -302,16 +302,24 @@ def calibrate(
     points: Sequence[CalibrationPoint] = CALIBRATION_POINTS,
     *,
     roles: Sequence[str] = capacity.ROLES,
+    measured: capacity.Calibration | None = None,
     log=print,
 ) -> capacity.Calibration:
-    """Compile both roles' gradient programs at every point and fit the coefficients."""
+    """Compile both roles' gradient programs at every point and fit the coefficients.
+    ``measured``: a calibration whose recorded measurements (its ``points``) are reused instead of
+    compiling again (same code, same backend: e.g. to refit after a change of the model's terms)."""
+    recorded = {} if measured is None else {name: int(nbytes) for name, _, nbytes in measured.points}
     samples = []
     for point in points:
         config = point.config(base)
         for role in roles:
-            measured = measure(config, point.plan, point.tokens, point.assumptions(), role)
-            log(f"measured {point.name} ({role}): {measured / 2**20:.1f} MiB")
-            samples.append((config, point, role, measured))
+            label = f"{point.name} ({role})"
+            if label in recorded:
+                nbytes = recorded[label]
+            else:
+                nbytes = measure(config, point.plan, point.tokens, point.assumptions(), role)
+                log(f"measured {label}: {nbytes / 2**20:.1f} MiB")
+            samples.append((config, point, role, nbytes))
     return capacity.fit_calibration(samples, backend=jax.default_backend(), jax_version=jax.__version__)
 
 

@@ -37,10 +37,10 @@ COLUMNS = (
     ("scan_copy", "scan"),
     ("layer", "layer"),
     ("dispatch", "moe"),
-    ("ragged_dense", "ragged"),
     ("saved", "saved"),
     ("attention_scores", "scores"),
     ("attention_mask", "mask"),
+    ("attention_blocks", "blocks"),
     ("logits", "logits"),
     ("residue", "resid"),
 )
@@ -82,10 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="published actor versions the learner keeps (ppo.retained_versions; co-resident only)",
     )
     parser.add_argument(
-        "--ragged-dot",
-        default="grouped",
-        choices=("grouped", "dense"),
-        help="grouped: TPU/GPU ragged_dot kernels; dense: XLA:CPU's lowering",
+        "--platform",
+        default="tpu",
+        choices=("tpu", "gpu", "cpu"),
+        help="the backend the learner runs on (cpu: the 'auto' MoE collective is the padded one)",
     )
     parser.add_argument("--remat", default="layer", choices=("layer", "none"))
     parser.add_argument("--pipeline", default="1", help="comma-separated pipeline degrees to consider")
@@ -153,7 +153,7 @@ def _assumptions(args: argparse.Namespace) -> capacity.MemoryAssumptions:
     return capacity.MemoryAssumptions(
         param_dtype=args.param_dtype,
         compute_dtype=args.compute_dtype,
-        ragged_dot=args.ragged_dot,
+        platform=args.platform,
         rows=args.rows,
         residue_fraction=args.residue_fraction,
         residency=args.residency,
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         f"row(s) per batch shard; params {args.param_dtype}"
         f"{' + float32 master' if assumptions.master_weights else ''}, Adam float32, remat {args.remat}, "
         f"attention {assumptions.attention}, head in chunks of ~{assumptions.logits_chunk} positions, "
-        f"scan_layers {assumptions.scan_layers}, ragged_dot {args.ragged_dot}, "
+        f"scan_layers {assumptions.scan_layers}, platform {args.platform}, "
         f"residue {args.residue_fraction:.0%} of M"
     )
     if assumptions.residency == "co-resident":
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"calibration: {args.calibration or 'configs/capacity/cpu_tiny.json'} ({calibration.backend}, jax "
         f"{calibration.jax_version}): c_act {calibration.activation:.3f}, c_moe {calibration.dispatch:.3f}, "
-        f"c_ragged {calibration.ragged:.3f}, c_saved {calibration.saved:.3f}, "
+        f"c_saved {calibration.saved:.3f}, c_block {calibration.blocks:.3f}, "
         f"c_attn {calibration.attention:.3f}, c_mask {calibration.mask:.3f}, "
         f"c_logit {calibration.logits:.3f}, "
         f"b0 {calibration.residue_bytes / 2**20:.1f} MiB"

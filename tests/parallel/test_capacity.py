@@ -170,7 +170,7 @@ def test_recalibration_reproduces_the_stored_one(tiny_config):
 
     fresh = calibrate(tiny_config, log=lambda _: None)
     stored = capacity.default_calibration()
-    for field in ("activation", "ragged", "attention", "logits"):
+    for field in ("activation", "dispatch", "blocks", "logits"):
         assert getattr(fresh, field) == pytest.approx(getattr(stored, field), rel=0.05, abs=0.05)
     for _, _, _, error in validate(tiny_config, fresh):
         assert abs(error) < 0.10
