@@ -5,7 +5,7 @@ CPU mesh.
 Two models at one fixed token wall: the tiny config (3 Gated DeltaNet + 1 attention layer), and the
 same width with recurrent layers only and a small vocabulary, where the recurrent operator's
 activations dominate. For context degrees 1, 2, 4, 8: XLA's per-device bytes of the compiled step
-(``capacity.measure``: arguments + temporaries + non-aliased outputs; compiled, never run), the
+(``t1jax.tools.lowering.measure``: arguments + temporaries + non-aliased outputs; compiled, never run), the
 ratio to degree 1, the share that is activations (total minus parameters and gradients, which
 context parallelism does not divide), its ratio, and the capacity model's prediction of the same
 program (``capacity.program_estimate``).

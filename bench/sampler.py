@@ -1,15 +1,25 @@
 """Sampler benchmarks, each a ratio against a peer measured in the same run.
 
-1. Decode throughput at batch 8: the embedded JAX engine vs transformers `generate` (torch CPU,
-   the better of its default thread count and one thread)
-   on the same tiny Qwen3.5-MoE and the same weights (written with our `save_pretrained`, read
-   with transformers' `from_pretrained`). Decode rate = (tokens(N) - tokens(1)) / (time(N) -
-   time(1)), so prefill is excluded on both sides.
-2. Prefix cache: an agent's second turn (a 2k-token first turn + its completion + an
+All on the tiny Qwen3.5-MoE (configs/tiny_cpu.yaml, its context raised to 8192 positions) with
+random weights; transformers runs the same weights (written with our `save_pretrained`, read with
+`from_pretrained`) on torch CPU, the better of its default thread count and one thread.
+
+1. Agent-shaped (issue 14): 16 concurrent requests of 2048-token prompts, 256 new tokens each, on
+   an engine with max_context 8192, vs transformers `generate` on the same prompts: end-to-end
+   time after warmup (prefill + decode; sampling at temperature 1), and its two halves (the time
+   to one new token, i.e. prefill, and the rest). Goal >= 5x.
+2. Cost follows the live length: the decode rate of the same short requests (batch 8, 32-token
+   prompts, 128 new tokens) on engines with max_context 8192 and 512. Goal: within 2x.
+3. Decode throughput at batch 8 vs transformers `generate`. Decode rate = (tokens(N) - tokens(1))
+   / (time(N) - time(1)), so prefill is excluded on both sides.
+4. Prefix cache: an agent's second turn (a 2k-token first turn + its completion + an
    observation) served with the prefix cache vs re-prefilled from scratch (cache cleared), time
    to the first token; the two results are also checked bit-identical.
 
-Run: `.venv/bin/python bench/sampler.py` (8 fake CPU devices: the engine uses the last ones).
+Prints the processor and the load average (the machine may be shared: then every ratio is noisy),
+each engine's warmup (compile) time and its compile counts per program and bucket.
+
+Run: `.venv/bin/python bench/sampler.py` (8 fake CPU devices: the engines use the last one).
 """
 
 from __future__ import annotations
@@ -19,7 +29,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import dataclasses  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -36,18 +48,40 @@ from t1jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
 from t1jax.rollout.types import GenerateRequest, SamplingParams  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+CONTEXT = 8192
 BATCH, PROMPT_LEN, NEW_TOKENS, REPEATS = 8, 32, 128, 3
+AGENT_REQUESTS, AGENT_PROMPT, AGENT_NEW = 16, 2048, 256
 PREFIX_LEN, OBSERVATION_LEN = 2048, 64
+# Decode-attention chunk: 64 slots measured fastest on this CPU (a chunk's K/V stay in cache);
+# the engine's default (256) suits an accelerator's longer vectors and costlier loop steps.
+CPU_KV_CHUNK = 64
+_ids = iter(range(10**9))
 
 
 def tiny_policy(seed: int = 0) -> Qwen35MoeForCausalLM:
-    model = Qwen35MoeForCausalLM(load_config(TINY), rngs=nnx.Rngs(seed))
+    config = dataclasses.replace(load_config(TINY), max_position_embeddings=CONTEXT)
+    model = Qwen35MoeForCausalLM(config, rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = np.asarray(variable.get_value(), np.float32)
         noise = rng.standard_normal(value.shape).astype(np.float32) * 0.3 * max(float(value.std()), 0.1)
         variable.set_value(jax.numpy.asarray(value + noise))
     return model
+
+
+def machine() -> str:
+    model = "unknown processor"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return f"{model}, {os.cpu_count()} CPUs"
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def best_of(fn, repeats=REPEATS) -> float:
@@ -59,39 +93,48 @@ def best_of(fn, repeats=REPEATS) -> float:
     return min(times)
 
 
-def jax_decode_rate(model, prompts, devices, label) -> float:
-    config = EngineConfig(max_batch=BATCH, max_context=PROMPT_LEN + NEW_TOKENS + 8, block_size=32)
-    with JaxEngine(model, devices, config) as engine:
-        engine.warmup()
-        counter = iter(range(10**9))
-
-        def run(new_tokens):
-            requests = [
-                GenerateRequest(f"d{next(counter)}", p, SamplingParams(max_new_tokens=new_tokens, seed=i))
-                for i, p in enumerate(prompts)
-            ]
-            engine.clear_prefix_cache()
-            results = engine.generate(requests)
-            assert all(len(r.completion_ids) == new_tokens for r in results)
-
-        run(NEW_TOKENS)  # warm every path
-        rate = BATCH * (NEW_TOKENS - 1) / (best_of(lambda: run(NEW_TOKENS)) - best_of(lambda: run(1)))
-    print(f"  jax engine ({label}): {rate:8.1f} decode tokens/s")
-    return rate
+def requests(prompts, new_tokens):
+    return [
+        GenerateRequest(f"b{next(_ids)}", p, SamplingParams(max_new_tokens=new_tokens, seed=i))
+        for i, p in enumerate(prompts)
+    ]
 
 
-def torch_decode_rate(model, prompts) -> float:
-    import torch
-    import transformers
+def started_engine(model, devices, config, label) -> JaxEngine:
+    engine = JaxEngine(model, devices, config)
+    start = time.perf_counter()
+    engine.warmup()
+    counts = ", ".join(f"{name} x{count}" for name, count in sorted(engine.compile_counts.items()))
+    print(f"  [{label}] warmup (compiles) {time.perf_counter() - start:.1f} s: {counts}")
+    return engine
 
-    with tempfile.TemporaryDirectory() as directory:
-        save_pretrained(model, directory)
-        hf = transformers.Qwen3_5MoeForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    input_ids = torch.as_tensor(np.stack(prompts), dtype=torch.long)
 
-    def run(new_tokens):
+def served(engine, prompts, new_tokens) -> None:
+    engine.clear_prefix_cache()  # every run prefills from scratch (and stores its prefixes again)
+    results = engine.generate(requests(prompts, new_tokens))
+    assert all(len(r.completion_ids) == new_tokens for r in results)
+
+
+class Transformers:
+    """transformers' `generate` on our weights, at the better of two thread counts."""
+
+    def __init__(self, model):
+        import torch
+        import transformers
+
+        self.torch = torch
+        with tempfile.TemporaryDirectory() as directory:
+            save_pretrained(model, directory)
+            self.hf = transformers.Qwen3_5MoeForCausalLM.from_pretrained(
+                directory, dtype=torch.float32
+            ).eval()
+        self.thread_counts = sorted({torch.get_num_threads(), 1}, reverse=True)
+
+    def generate(self, prompts, new_tokens) -> None:
+        torch = self.torch
+        input_ids = torch.as_tensor(np.stack(prompts), dtype=torch.long)
         with torch.no_grad():
-            out = hf.generate(
+            out = self.hf.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 max_new_tokens=new_tokens,
@@ -102,17 +145,69 @@ def torch_decode_rate(model, prompts) -> float:
                 top_p=1.0,
                 pad_token_id=0,
             )
-        assert out.shape == (BATCH, PROMPT_LEN + new_tokens)
+        assert out.shape == (len(prompts), len(prompts[0]) + new_tokens)
 
-    # torch's intra-op threads spin; on a busy machine one thread can beat several: take the best
-    rates = []
-    for threads in sorted({torch.get_num_threads(), 1}, reverse=True):
-        torch.set_num_threads(threads)
-        run(4)
-        rate = BATCH * (NEW_TOKENS - 1) / (best_of(lambda: run(NEW_TOKENS)) - best_of(lambda: run(1)))
-        print(f"  transformers generate (torch CPU, {threads} threads): {rate:8.1f} decode tokens/s")
-        rates.append(rate)
-    return max(rates)
+    def best(self, measure, label, unit="s"):
+        """The best of `measure()` over the thread counts (the smallest, or for unit "tokens/s"
+        the largest); torch's intra-op threads spin, so on a busy machine one thread can beat
+        several."""
+        results = []
+        for threads in self.thread_counts:
+            self.torch.set_num_threads(threads)
+            value = measure()
+            print(f"  transformers generate ({label}, torch CPU, {threads} threads): {value:.2f} {unit}")
+            results.append(value)
+        return max(results) if unit == "tokens/s" else min(results)
+
+
+def agent_case(model, hf, device):
+    """(engine seconds, transformers seconds) end to end, and both sides' prefill seconds."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 2048, AGENT_PROMPT).astype(np.int32) for _ in range(AGENT_REQUESTS)]
+    config = EngineConfig(max_batch=AGENT_REQUESTS, max_context=CONTEXT, kv_chunk=CPU_KV_CHUNK)
+    with started_engine(model, device, config, "agent engine") as engine:
+        served(engine, prompts, 2)  # every path warm (first runs allocate)
+        engine_total = best_of(lambda: served(engine, prompts, AGENT_NEW), 2)
+        engine_prefill = best_of(lambda: served(engine, prompts, 1), 2)
+        steps = dict(engine.step_counts)
+    print(
+        f"  jax engine: {engine_total:.2f} s end to end, {engine_prefill:.2f} s to the first token "
+        f"({steps.get('prefill', 0)} prefill calls and {steps.get('decode', 0)} decode rounds over all runs)"
+    )
+
+    def timed(new_tokens):
+        start = time.perf_counter()
+        hf.generate(prompts, new_tokens)
+        return time.perf_counter() - start
+
+    hf_prefill = hf.best(lambda: timed(1), "to the first token")
+    hf_total = hf.best(lambda: timed(AGENT_NEW), "end to end")
+    return engine_total, hf_total, engine_prefill, hf_prefill
+
+
+def decode_rate(engine, prompts) -> float:
+    served(engine, prompts, NEW_TOKENS)  # warm every path
+    tokens = len(prompts) * (NEW_TOKENS - 1)
+    return tokens / (
+        best_of(lambda: served(engine, prompts, NEW_TOKENS)) - best_of(lambda: served(engine, prompts, 1))
+    )
+
+
+def jax_decode_rate(model, prompts, devices, max_context, label) -> float:
+    config = EngineConfig(max_batch=BATCH, max_context=max_context, block_size=32, kv_chunk=CPU_KV_CHUNK)
+    with started_engine(model, devices, config, label) as engine:
+        rate = decode_rate(engine, prompts)
+    print(f"  jax engine ({label}): {rate:8.1f} decode tokens/s")
+    return rate
+
+
+def torch_decode_rate(hf, prompts) -> float:
+    def rate():
+        hf.generate(prompts, 4)
+        elapsed = lambda n: best_of(lambda: hf.generate(prompts, n))
+        return BATCH * (NEW_TOKENS - 1) / (elapsed(NEW_TOKENS) - elapsed(1))
+
+    return hf.best(rate, f"decode, batch {BATCH}", unit="tokens/s")
 
 
 def prefix_cache_ratio(model, device) -> float:
@@ -120,13 +215,11 @@ def prefix_cache_ratio(model, device) -> float:
     rng = np.random.default_rng(1)
     first_turn = rng.integers(0, 2048, PREFIX_LEN).astype(np.int32)
     params = SamplingParams(max_new_tokens=32, seed=3)
-    with JaxEngine(model, device, config) as engine:
-        engine.warmup()
+    with started_engine(model, device, config, "prefix-cache engine") as engine:
         turn1 = engine.generate([GenerateRequest("turn1", first_turn, params)])[0]
         second_turn = np.concatenate(
             [first_turn, turn1.completion_ids, rng.integers(0, 2048, OBSERVATION_LEN).astype(np.int32)]
         )
-        counter = iter(range(10**9))
         results = {}
 
         def turn2(cached: bool):
@@ -134,13 +227,13 @@ def prefix_cache_ratio(model, device) -> float:
                 engine.clear_prefix_cache()
             start = time.perf_counter()
             request = GenerateRequest(
-                f"t2-{next(counter)}", second_turn, SamplingParams(max_new_tokens=1, seed=4)
+                f"t2-{next(_ids)}", second_turn, SamplingParams(max_new_tokens=1, seed=4)
             )
             result = engine.generate([request])[0]
             elapsed = time.perf_counter() - start
             results[cached] = result
             if not cached:  # leave the cache as a real second turn finds it: holding the prefix
-                engine.generate([GenerateRequest(f"t1-{next(counter)}", second_turn, params)])
+                engine.generate([GenerateRequest(f"t1-{next(_ids)}", first_turn, params)])
             return elapsed
 
         turn2(False)
@@ -152,27 +245,56 @@ def prefix_cache_ratio(model, device) -> float:
             and np.array_equal(hit_result.logprobs, miss_result.logprobs)
             and np.array_equal(hit_result.routing, miss_result.routing)
         )
+        states = engine.prefix_cache.num_states
     print(
         f"  second turn of {len(second_turn)} tokens: re-prefill {miss * 1e3:7.1f} ms, prefix-cache hit "
-        f"{hit * 1e3:7.1f} ms ({hit_result.cached_prompt_tokens} tokens cached); hit == miss bit for bit: "
-        f"{identical}"
+        f"{hit * 1e3:7.1f} ms ({hit_result.cached_prompt_tokens} tokens cached, {states} recurrent "
+        f"state(s) stored); hit == miss bit for bit: {identical}"
     )
     return miss / hit
 
 
 def main() -> None:
-    print(f"jax {jax.__version__}, {len(jax.devices())} CPU devices")
+    print(f"jax {jax.__version__}, {len(jax.devices())} CPU devices; {machine()}; {load()} at start")
     model = tiny_policy()
+    hf = Transformers(model)
+    device = jax.devices()[-1:]
+
+    print(
+        f"agent-shaped: {AGENT_REQUESTS} concurrent requests, {AGENT_PROMPT}-token prompts, "
+        f"{AGENT_NEW} new tokens, max_context {CONTEXT}:"
+    )
+    engine_total, hf_total, engine_prefill, hf_prefill = agent_case(model, hf, device)
+
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 2048, PROMPT_LEN).astype(np.int32) for _ in range(BATCH)]
     print(f"decode, batch {BATCH}, {PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, best of {REPEATS}:")
-    torch_rate = torch_decode_rate(model, prompts)
-    one_device = jax_decode_rate(model, prompts, jax.devices()[-1:], "1 device")
-    four_devices = jax_decode_rate(model, prompts, jax.devices()[4:], "4-device tensor mesh")
+    torch_rate = torch_decode_rate(hf, prompts)
+    short = jax_decode_rate(model, prompts, device, 512, "max_context 512")
+    long = jax_decode_rate(model, prompts, device, CONTEXT, f"max_context {CONTEXT}")
     print("prefix cache:")
-    cache_ratio = prefix_cache_ratio(model, jax.devices()[-1:])
-    for label, rate in (("1 device", one_device), ("4 devices", four_devices)):
-        print(f"RATIO decode tokens/s, jax engine ({label}) / best transformers: {rate / torch_rate:.2f}x")
+    cache_ratio = prefix_cache_ratio(model, device)
+
+    print(f"machine: {machine()}; {load()} at the end (a shared machine makes every ratio noisy)")
+    print(
+        f"RATIO agent end to end, transformers time / jax engine time: {hf_total / engine_total:.2f}x "
+        "(goal >= 5x)"
+    )
+    print(
+        "RATIO agent time to first token (prefill), transformers / jax engine: "
+        f"{hf_prefill / engine_prefill:.2f}x"
+    )
+    print(
+        "RATIO agent after the first token (decode), transformers / jax engine: "
+        f"{(hf_total - hf_prefill) / (engine_total - engine_prefill):.2f}x"
+    )
+    print(
+        f"RATIO decode tokens/s at max_context {CONTEXT} / at 512 (same requests): {long / short:.2f}x "
+        "(goal >= 0.5x: cost follows the live length)"
+    )
+    print(
+        f"RATIO decode tokens/s, jax engine (max_context 512) / best transformers: {short / torch_rate:.2f}x"
+    )
     print(f"RATIO second-turn prefill, re-prefill time / prefix-cache hit time: {cache_ratio:.2f}x")
 
 

@@ -166,24 +166,36 @@ def _run_trial(
         sandbox.close()
 
 
-def _run_solution(task: Task, sandbox):
-    """Upload the solution through `exec` (works with any backend) and run it in the workdir."""
+def solution_commands(task: Task, *, max_line: int = UPLOAD_CHUNK) -> list[str]:
+    """Shell command lines that, run one after another in the task's workdir (through `exec`, or
+    typed into its terminal), unpack the task's reference solution where the task expects it
+    (Harbor: `/solution`; where the root is read-only, `/tmp/solution`) and run its entry
+    script. Every line holds at most about `max_line` characters of payload, so a terminal can
+    take it. The last line runs the solution; the lines before it only upload."""
+    if task.solution_script is None:
+        raise ValueError(f"task {task.task_id} has no reference solution")
     if task.layout == TaskLayout.HARBOR:
         source, entry = task.solution_script.parent, task.solution_script.name
     else:
         source, entry = task.solution_script, task.solution_script.name
     encoded = base64.b64encode(_tar_gz(source)).decode()
-    sandbox.exec(f"rm -f {SOLUTION_ARCHIVE}", 30)
-    for start in range(0, len(encoded), UPLOAD_CHUNK):
-        chunk = encoded[start : start + UPLOAD_CHUNK]
-        sandbox.exec(f"printf %s {chunk} >> {SOLUTION_ARCHIVE}", 30)
-    # Harbor puts the solution at /solution; where the root is read-only, use /tmp/solution.
-    command = (
+    lines = [f"rm -f {SOLUTION_ARCHIVE}"]
+    for start in range(0, len(encoded), max_line):
+        lines.append(f"printf %s {encoded[start : start + max_line]} >> {SOLUTION_ARCHIVE}")
+    lines.append(
         "d=/solution; { mkdir -p $d && test -w $d; } 2>/dev/null || d=/tmp/solution; mkdir -p $d; "
         f"base64 -d {SOLUTION_ARCHIVE} | tar -xzf - -C $d && rm -f {SOLUTION_ARCHIVE} && "
         f"bash $d/{shlex.quote(entry)}"
     )
-    return sandbox.exec(command, task.limits.agent_timeout_sec)
+    return lines
+
+
+def _run_solution(task: Task, sandbox):
+    """Upload the solution through `exec` (works with any backend) and run it in the workdir."""
+    *upload, run = solution_commands(task)
+    for line in upload:
+        sandbox.exec(line, 30)
+    return sandbox.exec(run, task.limits.agent_timeout_sec)
 
 
 def _tar_gz(source: Path) -> bytes:

@@ -5,6 +5,15 @@ Each subcommand lives in its own module and contributes ``add_arguments(parser)`
 does not pay for the trainer's imports and vice versa).
 
 - ``t1jax plan``: rank sharding plans by per-device memory (``t1jax.tools.planner``).
+- ``t1jax eval``: evaluate a checkpoint (or the oracle / no-op agent) on a task directory
+  (``t1jax.eval.cli``).
+- ``t1jax train``: run or resume an RL run (``t1jax.controller.cli``).
+
+Errors (the contract of every subcommand): bad input — a missing file, a malformed config, an
+impossible combination — is one line on stderr naming the problem and exit status 2; any other
+failure is one line and exit status 1; ``--debug`` (before or after the subcommand) shows the
+traceback instead. A subcommand signals bad input by raising `UsageError` (or `ValueError`,
+`FileNotFoundError`, which the loaders raise with the file and field named).
 """
 
 from __future__ import annotations
@@ -12,18 +21,31 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("t1jax.tools.planner", "rank sharding plans by the per-device memory model (paper Eq. 21)"),
+    "eval": ("t1jax.eval.cli", "evaluate a checkpoint, the oracle or the no-op agent on a task directory"),
+    "train": ("t1jax.controller.cli", "run or resume an RL run from a run config (the single controller)"),
+    "demo": ("t1jax.demo.cli", "base -> SFT -> critic warm-up -> RL -> held-out evaluation in one directory"),
 }
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+class UsageError(ValueError):
+    """Bad input to a CLI: reported as one line with exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="t1jax", description="t1jax: PPO for terminal agents in JAX")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         importlib.import_module(module_name).add_arguments(sub)
         sub.set_defaults(module=module_name)
     return parser
@@ -31,7 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return importlib.import_module(args.module).run(args)
+    try:
+        return importlib.import_module(args.module).run(args)
+    except KeyboardInterrupt:
+        print(f"t1jax {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if args.debug:
+            traceback.print_exc()
+        usage = isinstance(error, (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError))
+        kind = "error" if usage else f"failed: {type(error).__name__}"
+        message = "; ".join(line.strip() for line in str(error).strip().splitlines()) or type(error).__name__
+        hint = "" if args.debug else " (--debug shows the traceback)"
+        print(f"t1jax {args.command}: {kind}: {message}{hint if not usage else ''}", file=sys.stderr)
+        return EXIT_USAGE if usage else EXIT_FAILURE
 
 
 if __name__ == "__main__":

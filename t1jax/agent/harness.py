@@ -61,12 +61,20 @@ from t1jax.agent.chat_template import (
 from t1jax.agent.parsing import ParsedReply, parse_reply
 from t1jax.agent.terminal import ExecTerminal, TerminalDriver, TmuxTerminal, cap_text, head_and_tail
 from t1jax.agent.tokenizer import ChatTokenizer
-from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult, Sampler, SamplingParams
+from t1jax.rollout.types import (
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    Sampler,
+    SamplerTimeout,
+    SamplingParams,
+)
 from t1jax.tito.types import (
     CompactionEvent,
     CompactionFailure,
     Segment,
     Trajectory,
+    TrialCause,
     TrialStats,
     TrialStatus,
     Turn,
@@ -100,6 +108,14 @@ class HarnessConfig:
     terminal: TerminalMode = TerminalMode.TMUX
     require_routing: bool = True  # MoE policies: a result without routing aborts the trial
     trim_routing: bool = True  # keep only the routing rows the stitched stream takes from a turn
+    # Deadline of one sampler call: the call may run to the agent deadline plus this grace (the
+    # harness aborts it at the deadline; a live sampler answers at once), never longer than
+    # `sampler_timeout_sec`. Past it the sampler is hung: the trial ends with SAMPLER_TIMEOUT.
+    sampler_grace_sec: float = 30.0
+    sampler_timeout_sec: float = 900.0
+    # A trial is generated under one policy version (App. 12.1); a turn served by another version
+    # (a publication crossed the trial) ends it with POLICY_VERSION_CHANGED instead of mixing.
+    single_policy_version: bool = True
 
     def __post_init__(self) -> None:
         positive = (
@@ -111,6 +127,8 @@ class HarnessConfig:
             "summary_max_tokens",
             "max_output_bytes",
             "max_command_duration_sec",
+            "sampler_grace_sec",
+            "sampler_timeout_sec",
         )
         for name in positive:
             if not getattr(self, name) > 0:
@@ -146,10 +164,14 @@ class HarnessConfig:
         object.__setattr__(self, "terminal", TerminalMode(self.terminal))
 
 
+# How long a cancelled trial waits for the sampler to answer the abort of its request.
+ABORT_GRACE_SEC = 5.0
+
+
 class _TrialEnded(Exception):
-    def __init__(self, status: TrialStatus, detail: str) -> None:
+    def __init__(self, status: TrialStatus, detail: str, cause: TrialCause = TrialCause.NONE) -> None:
         super().__init__(detail)
-        self.status, self.detail = status, detail
+        self.status, self.detail, self.cause = status, detail, cause
 
 
 def run_trial(
@@ -224,16 +246,17 @@ class _Trial:
     # ---- top level -------------------------------------------------------------------------
 
     def run(self) -> Trajectory:
+        cause = TrialCause.NONE
         try:
             status, detail = self._loop()
         except _TrialEnded as ended:
-            status, detail = ended.status, ended.detail
+            status, detail, cause = ended.status, ended.detail, ended.cause
         except Exception as error:  # a bug in the harness itself: report it, keep the turns
-            status = TrialStatus.ERROR
+            status, cause = TrialStatus.ERROR, TrialCause.HARNESS_ERROR
             detail = f"harness error {type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}"
-        return self._trajectory(status, detail)
+        return self._trajectory(status, detail, cause)
 
-    def _trajectory(self, status: TrialStatus, detail: str) -> Trajectory:
+    def _trajectory(self, status: TrialStatus, detail: str, cause: TrialCause) -> Trajectory:
         segments = tuple(Segment(index, tuple(turns)) for index, turns in enumerate(self.segments) if turns)
         stats = dataclasses.replace(self.stats, wall_sec=time.monotonic() - self.started)
         return Trajectory(
@@ -242,6 +265,7 @@ class _Trial:
             segments=segments,
             status=status,
             detail=detail,
+            cause=cause,
             compactions=tuple(self.compactions),
             stats=stats,
             started_at=self.started_at,
@@ -313,13 +337,13 @@ class _Trial:
 
     def _check_time(self) -> None:
         if self.cancel_event.is_set():
-            raise _TrialEnded(TrialStatus.ABORTED, "cancelled by the caller")
+            raise _TrialEnded(TrialStatus.ABORTED, "cancelled by the caller", TrialCause.CANCELLED)
         if self._remaining_sec() <= 0:
             raise _TrialEnded(TrialStatus.AGENT_TIMEOUT, "agent deadline passed")
 
     def _raise_for_abort(self) -> None:
         self._check_time()
-        raise _TrialEnded(TrialStatus.ABORTED, "the sampler aborted the request")
+        raise _TrialEnded(TrialStatus.ABORTED, "the sampler aborted the request", TrialCause.SAMPLER_ABORTED)
 
     # ---- sampling --------------------------------------------------------------------------
 
@@ -333,18 +357,33 @@ class _Trial:
             self.sampling, max_new_tokens=int(max_new), stop_token_ids=self.stop_ids, seed=seed
         )
         request = GenerateRequest(request_id=request_id, prompt_ids=prompt, params=params)
-        finished = threading.Event()
-        watcher = threading.Thread(target=self._abort_when_due, args=(request_id, finished), daemon=True)
-        watcher.start()
         started = time.monotonic()
-        try:
-            results = self.sampler.generate([request])
-        except Exception as error:
+        timeout = min(
+            self.config.sampler_timeout_sec, max(self._remaining_sec(), 0.0) + self.config.sampler_grace_sec
+        )
+        outcome: dict[str, object] = {}
+        finished = threading.Event()
+
+        def call() -> None:
+            try:
+                outcome["results"] = self.sampler.generate([request], timeout_sec=timeout)
+            except BaseException as error:  # handed to the trial's thread below
+                outcome["error"] = error
+            finally:
+                finished.set()
+
+        threading.Thread(target=call, name=f"t1jax-generate-{request_id}", daemon=True).start()
+        self._wait_for_sampler(request_id, finished)
+        error = outcome.get("error")
+        if isinstance(error, SamplerTimeout):
+            raise _TrialEnded(TrialStatus.ERROR, str(error), TrialCause.SAMPLER_TIMEOUT)
+        if error is not None:
             raise _TrialEnded(
-                TrialStatus.ERROR, f"sampler.generate raised {type(error).__name__}: {error}"
-            ) from None
-        finally:
-            finished.set()
+                TrialStatus.ERROR,
+                f"sampler.generate raised {type(error).__name__}: {error}",
+                TrialCause.SAMPLER_ERROR,
+            )
+        results = outcome["results"]
         elapsed = time.monotonic() - started
         self.stats = dataclasses.replace(self.stats, generate_sec=self.stats.generate_sec + elapsed)
         result = self._validated(results, request)
@@ -365,49 +404,81 @@ class _Trial:
             request_id=request_id,
             generate_sec=elapsed,
         )
-        self.segments[-1].append(turn)
+        first_version = next((t.policy_version for segment in self.segments for t in segment), None)
+        self.segments[-1].append(turn)  # kept even when it ends the trial, so the record shows why
+        self._check_version(first_version, turn)
         if kind is TurnKind.SUMMARY:
             self.stats = dataclasses.replace(self.stats, summary_turns=self.stats.summary_turns + 1)
         return turn
 
-    def _abort_when_due(self, request_id: str, finished: threading.Event) -> None:
-        """Abort `request_id` when the caller cancels or the deadline passes, whichever first.
-        Waiting on the cancel event itself makes cancellation immediate; the 0.25 s slices only
-        bound how long this thread outlives a request that finished on its own."""
+    def _wait_for_sampler(self, request_id: str, finished: threading.Event) -> None:
+        """Wait for the sampler call; abort it when the caller cancels or the deadline passes,
+        whichever first (a live sampler then returns what it has at once). A cancelled trial does
+        not wait for a sampler that ignores the abort (a hung engine) beyond `ABORT_GRACE_SEC`:
+        cancellation is prompt whatever the sampler's health; the abandoned call ends on its own
+        deadline. Waiting on the cancel event itself makes cancellation immediate."""
+        aborted_at = None
         while not finished.is_set():
-            cancelled = self.cancel_event.wait(timeout=min(0.25, max(self._remaining_sec(), 0.0)))
-            if finished.is_set():
+            if aborted_at is None:
+                cancelled = self.cancel_event.wait(timeout=min(0.25, max(self._remaining_sec(), 0.0)))
+                if finished.is_set():
+                    return
+                if cancelled or self._remaining_sec() <= 0:
+                    try:
+                        self.sampler.abort([request_id])
+                    except Exception:  # best effort: generate still returns or raises on its own
+                        pass
+                    aborted_at = time.monotonic()
+                continue
+            if finished.wait(0.05):
                 return
-            if cancelled or self._remaining_sec() <= 0:
-                try:
-                    self.sampler.abort([request_id])
-                except Exception:  # best effort: generate will still return or raise on its own
-                    pass
-                return
+            if self.cancel_event.is_set() and time.monotonic() - aborted_at > ABORT_GRACE_SEC:
+                raise _TrialEnded(
+                    TrialStatus.ABORTED,
+                    f"cancelled by the caller; the sampler did not answer the abort of {request_id} "
+                    f"within {ABORT_GRACE_SEC:g} s",
+                    TrialCause.CANCELLED,
+                )
 
     def _validated(self, results: Sequence[GenerateResult], request: GenerateRequest) -> GenerateResult:
+        def unusable(status: TrialStatus, detail: str) -> _TrialEnded:
+            return _TrialEnded(status, detail, TrialCause.SAMPLER_RECORD)
+
         if len(results) != 1 or results[0].request_id != request.request_id:
-            raise _TrialEnded(
+            raise unusable(
                 TrialStatus.ERROR, f"sampler returned {len(results)} results for request {request.request_id}"
             )
         result = results[0]
         if not np.array_equal(np.asarray(result.prompt_ids), request.prompt_ids):
-            raise _TrialEnded(
-                TrialStatus.ERROR, f"sampler echoed a different prompt for {request.request_id}"
-            )
+            raise unusable(TrialStatus.ERROR, f"sampler echoed a different prompt for {request.request_id}")
         if len(result.completion_ids) > request.params.max_new_tokens:
-            raise _TrialEnded(
+            raise unusable(
                 TrialStatus.ERROR,
                 f"sampler returned {len(result.completion_ids)} tokens for "
                 f"max_new_tokens = {request.params.max_new_tokens}",
             )
-        if self.config.require_routing and result.routing is None:
-            raise _TrialEnded(
+        if (
+            self.config.require_routing
+            and result.routing is None
+            and result.finish_reason != FinishReason.ABORT
+        ):
+            raise unusable(
                 TrialStatus.ABORTED,
                 f"routing record missing for {request.request_id}: the trial "
                 f"is aborted, not trained on without it (paper §4.3)",
             )
         return result
+
+    def _check_version(self, first: int | None, turn: Turn) -> None:
+        """Every turn of a trial must come from the version that served its first turn."""
+        if not self.config.single_policy_version or first is None or turn.policy_version == first:
+            return
+        raise _TrialEnded(
+            TrialStatus.ABORTED,
+            f"request {turn.request_id} was served by policy version {turn.policy_version} but this "
+            f"trial began under version {first}: a publication crossed the trial, which is not trained on",
+            TrialCause.POLICY_VERSION_CHANGED,
+        )
 
     # ---- acting ----------------------------------------------------------------------------
 
@@ -442,8 +513,14 @@ class _Trial:
             except SandboxDeadlineExpired as expired:  # the backend enforces the task's deadlines too
                 raise _TrialEnded(TrialStatus.AGENT_TIMEOUT, f"sandbox: {expired}") from None
             except Exception as error:
+                if self.cancel_event.is_set():  # the caller closed the sandbox under the command
+                    raise _TrialEnded(
+                        TrialStatus.ABORTED, "cancelled by the caller", TrialCause.CANCELLED
+                    ) from None
                 raise _TrialEnded(
-                    TrialStatus.ERROR, f"sandbox failed running a command: {type(error).__name__}: {error}"
+                    TrialStatus.ERROR,
+                    f"sandbox failed running a command: {type(error).__name__}: {error}",
+                    TrialCause.SANDBOX_ERROR,
                 ) from None
             self.stats = dataclasses.replace(
                 self.stats,

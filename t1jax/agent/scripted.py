@@ -15,7 +15,8 @@ Its records are built to be checked, not to look like a model's:
   k distinct ids in [0, num_experts), still a deterministic function of position, call and
   layer, which a routing-replay forward pass accepts (for demos that train on scripted trials).
 
-Thread-safe; `delay_sec` makes each call take that long (polling for `abort`), so deadlines and
+Thread-safe; `delay_sec` (seconds, or a function of the `PolicyCall`) makes each call take that
+long (polling for `abort`), so deadlines and
 cancellation can be exercised.
 """
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from t1jax.agent.tokenizer import ChatTokenizer
-from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult
+from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplerTimeout
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class ScriptedSampler:
         num_layers: int = 2,
         top_k: int = 2,
         with_routing: bool = True,
-        delay_sec: float = 0.0,
+        delay_sec: float | Callable[[PolicyCall], float] = 0.0,
         policy_version: int = 0,
         num_experts: int | None = None,
     ) -> None:
@@ -94,18 +95,28 @@ class ScriptedSampler:
     def policy_version(self) -> int:
         return self._version
 
-    def publish(self, params, version: int) -> None:
+    def publish(self, params, version: int, *, timeout_sec: float | None = None) -> None:
         with self._lock:
             self._version = int(version)
+
+    def probe(self, timeout_sec: float) -> float:
+        return 0.0
 
     def abort(self, request_ids: Sequence[str]) -> None:
         with self._lock:
             self._aborted.update(request_ids)
 
-    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
-        return [self._one(request) for request in requests]
+    def generate(
+        self, requests: Sequence[GenerateRequest], *, timeout_sec: float | None = None
+    ) -> list[GenerateResult]:
+        """Answers each request in turn; `delay_sec` longer than `timeout_sec` ends the wait
+        with `SamplerTimeout` (the request is then aborted, as a real sampler's would be)."""
+        deadline = None if timeout_sec is None else time.monotonic() + timeout_sec
+        return [self._one(request, deadline, timeout_sec) for request in requests]
 
-    def _one(self, request: GenerateRequest) -> GenerateResult:
+    def _one(
+        self, request: GenerateRequest, deadline: float | None, timeout_sec: float | None
+    ) -> GenerateResult:
         with self._lock:
             call_index = self._calls
             self._calls += 1
@@ -132,8 +143,11 @@ class ScriptedSampler:
                 break
         if len(ids) > request.params.max_new_tokens:
             ids, finish = ids[: request.params.max_new_tokens], FinishReason.LENGTH
-        if self._wait_or_aborted(request.request_id):
+        delay = self.delay_sec(call) if callable(self.delay_sec) else self.delay_sec
+        if self._wait_or_aborted(request.request_id, delay, deadline):
             ids, finish = ids[: len(ids) // 2], FinishReason.ABORT
+        elif deadline is not None and time.monotonic() >= deadline:
+            raise SamplerTimeout("generate", timeout_sec, [request.request_id])
         completion = np.asarray(ids, dtype=np.int32)
         logprobs = np.asarray([logprob_for(call_index, k) for k in range(len(ids))], dtype=np.float32)
         routing = None
@@ -166,8 +180,10 @@ class ScriptedSampler:
             routing[:, :, k] = np.arange(self.num_layers, dtype=np.int32)[None, :]
         return routing
 
-    def _wait_or_aborted(self, request_id: str) -> bool:
-        deadline = time.monotonic() + self.delay_sec
+    def _wait_or_aborted(self, request_id: str, delay_sec: float, call_deadline: float | None = None) -> bool:
+        deadline = time.monotonic() + delay_sec
+        if call_deadline is not None:
+            deadline = min(deadline, call_deadline)
         while True:
             with self._lock:
                 if request_id in self._aborted:

@@ -3,8 +3,9 @@
 Owns: partial rotary embeddings, the packed-sequence attention mask, the dense attention core
 (`attend`, the reference), the choice of core by `ExecutionConfig.attention` (`attention_core`:
 dense, blockwise `t1jax.ops.flash_attention`, or Pallas splash on TPU; a context-parallel variant
-replaces it through the forward hooks), and the `GatedAttention` module with its full forward and
-its cached form.
+replaces it through the forward hooks), the one-token decode attention over a cache
+(`decode_attention`), and the `GatedAttention` module with its full forward and its cached forms
+(`extend` for chunked prefill, `decode` for one token per row).
 
 Math (transformers' `Qwen3_5MoeAttention`): `q_proj` emits, per head, [query | gate] (2*head_dim);
 per-head zero-centred RMSNorm on q and k; rotate-half RoPE on the first `rotary_dim` dims only;
@@ -19,7 +20,9 @@ Parameter layout ([in, out] kernels, heads kept as their own axis):
 
 Invariants: a query attends only to keys of its own document (same non-zero segment id) at or
 before its own index; a query on padding (segment 0) sees nothing and yields finite garbage that
-no valid position ever reads.
+no valid position ever reads. `decode_attention` reads only the cache chunks up to the farthest
+live row, and a row's result does not depend on how many chunks were read (so neither on the
+other rows' lengths).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from t1jax.model.params import make_param, normal
 from t1jax.ops.flash_attention import blockwise_attention
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+DECODE_KV_CHUNK = 256  # cache slots per step of the decode attention's loop
 
 
 def rotary_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -124,6 +128,68 @@ def attention_core(
         block_q=execution.attention_block_q,
         block_k=execution.attention_block_k,
     )
+
+
+def decode_attention(
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    positions: jax.Array,
+    live: jax.Array,
+    *,
+    chunk: int = DECODE_KV_CHUNK,
+) -> jax.Array:
+    """One query per row over its cache slots [0, positions[b]] (grouped-query, float32 softmax).
+
+    query [B, heads, D]; key_cache/value_cache [B, S, kv_heads, D] (the query's own key already
+    written at slot positions[b]); positions int32 [B]; live bool [B]: the rows whose positions
+    bound the work. Returns [B, heads, D] in the query's dtype.
+
+    The cache is read `chunk` slots at a time in a loop whose trip count is data-dependent,
+    ceil((farthest live position + 1) / chunk), so the cost follows the longest live row rather
+    than S, and one compiled program serves every length. The softmax is online (running max,
+    rescaled sums, float32). A chunk wholly past a row's position changes nothing for that row:
+    its max is unchanged (rescale exp(0) = 1) and its weights are exact zeros, so a row's result
+    is bit-identical whatever the other rows make the loop read.
+    """
+    batch, num_heads, head_dim = query.shape
+    max_len, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    groups = num_heads // num_kv_heads
+    chunk = min(chunk, max_len)
+    grouped = query.reshape(batch, num_kv_heads, groups, head_dim)
+    farthest = jnp.max(jnp.where(live, positions, 0))
+    num_chunks = jnp.minimum(farthest // chunk + 1, -(-max_len // chunk))
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
+
+    def read_chunk(index, carry):
+        best, total, weighted = carry
+        first = index * chunk
+        start = jnp.minimum(first, max_len - chunk)  # the last chunk may overlap the one before
+        keys = jax.lax.dynamic_slice_in_dim(key_cache, start, chunk, 1).astype(query.dtype)
+        values = jax.lax.dynamic_slice_in_dim(value_cache, start, chunk, 1).astype(query.dtype)
+        slots = start + offsets
+        visible = (slots >= first)[None, :] & (slots[None, :] <= positions[:, None])
+        scores = jnp.einsum("bkgd,bskd->bkgs", grouped, keys, preferred_element_type=jnp.float32) * (
+            head_dim**-0.5
+        )
+        scores = jnp.where(visible[:, None, None, :], scores, _MASKED)
+        new_best = jnp.maximum(best, scores.max(axis=-1))
+        rescale = jnp.exp(best - new_best)
+        weights = jnp.exp(scores - new_best[..., None])
+        total = total * rescale + weights.sum(axis=-1)
+        update = jnp.einsum(
+            "bkgs,bskd->bkgd", weights.astype(values.dtype), values, preferred_element_type=jnp.float32
+        )
+        return new_best, total, weighted * rescale[..., None] + update
+
+    init = (
+        jnp.full((batch, num_kv_heads, groups), -jnp.inf, jnp.float32),
+        jnp.zeros((batch, num_kv_heads, groups), jnp.float32),
+        jnp.zeros((batch, num_kv_heads, groups, head_dim), jnp.float32),
+    )
+    _, total, weighted = jax.lax.fori_loop(0, num_chunks, read_chunk, init)
+    out = weighted / total[..., None]
+    return out.reshape(batch, num_heads, head_dim).astype(query.dtype)
 
 
 class GatedAttention(nnx.Module):
@@ -220,8 +286,7 @@ class GatedAttention(nnx.Module):
         key_cache = key_cache.at[rows, write_at].set(key.astype(key_cache.dtype), mode="drop")
         value_cache = value_cache.at[rows, write_at].set(value.astype(value_cache.dtype), mode="drop")
         keys, values = key_cache.astype(self.dtype), value_cache.astype(self.dtype)
-        if new_len == 1 or self.execution.attention == "dense":
-            # One token per row is the decode step's attention (its own path); or the reference.
+        if self.execution.attention == "dense":
             slots = jnp.arange(max_len, dtype=jnp.int32)
             mask = slots[None, None, :] <= positions[:, :, None]
             attn = attend(query, keys, values, mask)
@@ -239,3 +304,26 @@ class GatedAttention(nnx.Module):
                 block_k=self.execution.attention_block_k,
             )
         return self._output(attn, gate), key_cache, value_cache
+
+    def decode(
+        self,
+        x: jax.Array,
+        key_cache: jax.Array,
+        value_cache: jax.Array,
+        *,
+        cache_lengths: jax.Array,
+        active: jax.Array,
+        kv_chunk: int = DECODE_KV_CHUNK,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One new token per row (x [B, 1, hidden]) at position cache_lengths[b]: write its key and
+        value (active rows only; an inactive row's cache is untouched) and attend with
+        `decode_attention`. Returns (output [B, 1, hidden], new key_cache, new value_cache)."""
+        batch = x.shape[0]
+        max_len = key_cache.shape[1]
+        query, gate, key, value = self._project(x, cache_lengths[:, None])
+        write_at = jnp.where(active, cache_lengths, max_len)  # out of bounds -> dropped
+        rows = jnp.arange(batch)
+        key_cache = key_cache.at[rows, write_at].set(key[:, 0].astype(key_cache.dtype), mode="drop")
+        value_cache = value_cache.at[rows, write_at].set(value[:, 0].astype(value_cache.dtype), mode="drop")
+        attn = decode_attention(query[:, 0], key_cache, value_cache, cache_lengths, active, chunk=kv_chunk)
+        return self._output(attn[:, None], gate), key_cache, value_cache

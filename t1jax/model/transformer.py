@@ -12,14 +12,15 @@ the backbone `Qwen35MoeModel` (embedding, layers, final norm), the causal LM
   replay entries are all -1 (`moe.NO_RECORD`: padding, a sample's last token) routes freely.
 - `model.extend(input_ids, cache, valid_lengths=None)`: chunked prefill; appends T tokens per
   row (the first valid_lengths[b] real, right padding after) to a `DecodeCache`.
-- `model.decode_step(token_ids, cache, active=None)`: one token per row with the recurrent forms.
+- `model.decode_step(token_ids, cache, active=None)`: one token per row with the recurrent forms;
+  attention reads the cache only up to the longest active row.
 - `model.target_logprobs(input_ids, target_ids, ...)`: the training forward reduced to the
   log-probability of each position's target token (float32 [B, T]), the LM head applied in
   chunks (`ExecutionConfig.logits_chunk`, `t1jax.ops.cross_entropy`): no [B, T, vocab] logits.
 
-`execution` (`t1jax.model.execution.ExecutionConfig`) picks the attention kernel, the head's
-chunking and whether the training forward scans over repeats of the layer-type period
-(`layer_period`); the parameters are the same either way.
+`execution` (`t1jax.model.execution.ExecutionConfig`) picks the attention kernel of the training
+forward and the prefill, the head's chunking and whether the training forward scans over repeats
+of the layer-type period (`layer_period`); the parameters are the same either way.
 
 Every form returns the experts it used per token and layer, `routing` int32 [B, T, L, k] (L =
 num_hidden_layers: every Qwen3.5 layer is MoE); in replay mode that is the replay array itself
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from t1jax.model.attention import GatedAttention
+from t1jax.model.attention import DECODE_KV_CHUNK, GatedAttention
 from t1jax.model.axes import ACT_BATCH, ACT_EMBED, ACT_LENGTH, ACT_VOCAB, EMBED, VOCAB, constrain
 from t1jax.model.cache import AttentionLayerCache, DecodeCache, LinearLayerCache, init_cache
 from t1jax.model.config import FULL_ATTENTION, Qwen35MoeConfig
@@ -147,16 +148,17 @@ class DecoderLayer(nnx.Module):
         hidden, expert_ids = self._moe(hidden + mixed, replay_ids)
         return hidden, expert_ids, new_cache
 
-    def step(self, hidden, layer_cache, *, cache_lengths, active):
+    def step(self, hidden, layer_cache, *, cache_lengths, active, kv_chunk):
         """hidden [B, 1, H]; inactive rows keep their cache."""
         normed = self.input_layernorm(hidden)
         if self.is_full_attention:
-            mixed, key, value = self.self_attn.extend(
+            mixed, key, value = self.self_attn.decode(
                 normed,
                 layer_cache.key,
                 layer_cache.value,
                 cache_lengths=cache_lengths,
-                valid_lengths=active.astype(jnp.int32),
+                active=active,
+                kv_chunk=kv_chunk,
             )
             new_cache = AttentionLayerCache(key=key, value=value)
         else:
@@ -298,7 +300,7 @@ class Qwen35MoeModel(nnx.Module):
         new_cache = DecodeCache(lengths=cache.lengths + valid_lengths, layers=tuple(layer_caches))
         return BackboneOutput(hidden_states=self.norm(hidden), routing=jnp.stack(routing, axis=2)), new_cache
 
-    def decode_step(self, token_ids, cache: DecodeCache, *, active=None):
+    def decode_step(self, token_ids, cache: DecodeCache, *, active=None, kv_chunk=DECODE_KV_CHUNK):
         token_ids = jnp.asarray(token_ids)
         if token_ids.ndim != 1:
             raise ValueError(f"decode_step takes one token per row, int [B]; got shape {token_ids.shape}")
@@ -310,7 +312,7 @@ class Qwen35MoeModel(nnx.Module):
         routing, layer_caches = [], []
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             hidden, expert_ids, new_layer_cache = layer.step(
-                hidden, layer_cache, cache_lengths=cache.lengths, active=active
+                hidden, layer_cache, cache_lengths=cache.lengths, active=active, kv_chunk=kv_chunk
             )
             routing.append(expert_ids)
             layer_caches.append(new_layer_cache)
@@ -406,11 +408,13 @@ class Qwen35MoeForCausalLM(nnx.Module):
         return CausalLMOutput(logits=self._logits(out.hidden_states), routing=out.routing), cache
 
     def decode_step(
-        self, token_ids, cache: DecodeCache, *, active=None
+        self, token_ids, cache: DecodeCache, *, active=None, kv_chunk: int = DECODE_KV_CHUNK
     ) -> tuple[CausalLMOutput, DecodeCache]:
         """One token per row. token_ids int32 [B]; active bool [B] (default all): inactive rows
-        keep their cache and length. Returns logits [B, vocab], routing [B, L, k], new cache."""
-        out, cache = self.model.decode_step(token_ids, cache, active=active)
+        keep their cache and length. Returns logits [B, vocab], routing [B, L, k], new cache.
+        Attention reads the cache `kv_chunk` slots at a time up to the longest active row (see
+        `attention.decode_attention`), so its cost follows the live lengths, not max_len."""
+        out, cache = self.model.decode_step(token_ids, cache, active=active, kv_chunk=kv_chunk)
         logits = self._logits(out.hidden_states[:, 0])
         return CausalLMOutput(logits=logits, routing=out.routing[:, 0]), cache
 

@@ -51,8 +51,11 @@ class LearnerCheckpoints:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, learner, *, step: int | None = None, wait: bool = True) -> int:
-        """Write `learner.state` as checkpoint `step` (default: the learner's step counter).
+    def save(
+        self, learner, *, step: int | None = None, wait: bool = True, extra: dict[str, Any] | None = None
+    ) -> int:
+        """Write `learner.state` as checkpoint `step` (default: the learner's step counter), with
+        `extra` (JSON: e.g. the controller's data cursor and counters) in the same atomic save.
         With `wait=False` the write continues in the background (call `wait()` before exiting)."""
         step = int(learner.state.step) if step is None else int(step)
         if step in self._manager.all_steps():
@@ -62,6 +65,7 @@ class LearnerCheckpoints:
             "policy_version": learner.policy_version,
             "plan": None if learner.plan is None else learner.plan.label(),
             "saved_at_unix": time.time(),
+            "extra": extra or {},
         }
         self._manager.save(
             step,

@@ -3,7 +3,14 @@
 `JaxEngine` is imported lazily so that importing the contract (`t1jax.rollout.types`) stays cheap.
 """
 
-from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult, Sampler, SamplingParams
+from t1jax.rollout.types import (
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    Sampler,
+    SamplerTimeout,
+    SamplingParams,
+)
 
 __all__ = [
     "EngineConfig",
@@ -12,6 +19,7 @@ __all__ = [
     "GenerateResult",
     "JaxEngine",
     "Sampler",
+    "SamplerTimeout",
     "SamplingParams",
 ]
 

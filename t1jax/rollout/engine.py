@@ -5,25 +5,43 @@
 
 Scheduler. One thread owns the devices. Callers' `generate` enqueues requests and blocks; the
 thread loops: apply aborts; at a publication barrier stop admitting, and swap weights once no
-slot is busy; admit waiting requests into free slots (restoring any cached prefix); run one
-prefill step for every slot still prefilling; run one decode step for every decoding slot;
-deliver finished requests. So requests that arrive while others decode join them between steps.
+slot is busy; admit waiting requests into free slots (restoring any cached prefix in one device
+call); run one prefill window for every slot still prefilling; run one decode round of up to
+`decode_steps` tokens for every decoding slot; deliver finished requests. So requests that
+arrive while others decode join them between rounds.
 
-Shapes never depend on a request: the cache holds `max_batch` rows of `max_context` tokens, a
-prefill step feeds every row a window of `block_size` tokens (rows not prefilling get a zero
-valid length and keep their state), a decode step feeds one token per row under an `active`
-mask. Prompts of any length are prefilled window by window on the fixed grid
-[0, B), [B, 2B), ... of their own positions, so each step function compiles once
-(`compile_counts` records traces).
+Cost follows the live lengths. The cache holds `max_batch` rows of `max_context` tokens, but:
+- a decode round is one device call: a `lax.while_loop` of up to `decode_steps` steps over all
+  rows, sampling on device and checking each row's stop ids and length limit there, stopping
+  early once no row is live; tokens, log-probs and routing come back once per round. Decode
+  attention reads the cache in `kv_chunk`-slot chunks only up to the longest live row
+  (`t1jax.model.attention.decode_attention`), so one program serves every length;
+- prefill feeds `prefill_rows` rows at a time, a window of `block_size` tokens each, over a
+  cache view of `kv` slots, `kv` the power of two (>= block_size and min_prefill_kv, capped at
+  max_context) that covers the window's end; rows are grouped by their `kv`. So prefill
+  compiles once per kv bucket (about log2(max_context / min_prefill_kv) + 1 programs) and its
+  attention costs what the row's own length needs.
+`compile_counts` records traces per program and bucket, e.g. `prefill[kv=512]`,
+`decode[stops=4]`, `restore[blocks=8]`.
 
 Invariants:
 - A row's results depend only on its own tokens, parameters and seed, never on which other rows
-  are busy (checked bit-exact by the tests), so batching does not change what a request gets.
+  are busy (checked bit-exact by the tests), so batching does not change what a request gets:
+  every program's shapes are fixed per bucket (`prefill_rows` rows per prefill call, whatever
+  number of rows prefills; all `max_batch` rows per decode step), a row's prefill bucket depends
+  only on its own position, and a decode-attention chunk past a row's position leaves that
+  row's result unchanged bit for bit.
 - The prefix cache stores only full prefill windows; a prompt resumes from the longest cached
-  chain of its blocks (always leaving >= 1 token to prefill, whose logits give the first sample)
-  on the same grid, so a hit is bit-identical to a miss, routing included.
+  chain of its blocks that ends at a stored recurrent state (always leaving >= 1 token to
+  prefill, whose logits give the first sample) on the same grid, so a hit is bit-identical to a
+  miss, routing included. The recurrent (Gated DeltaNet) state is stored once per prompt, at the
+  last block boundary before its end: where the same prompt, or the next turn of its trial, can
+  resume (`t1jax.rollout.prefix_cache`).
 - Routing rows: prompt rows come from the prefix cache or prefill, one row per decoded token fed
-  back; the last sampled token is never fed, so rows = P + G - 1.
+  back; the last sampled token is never fed, so rows = P + G - 1. Records are produced on device
+  in the compact dtype of `routing_dtype(num_experts)` (uint8 for <= 256 experts), sent to the
+  host once per token (cached prompt rows live on the host and are never re-sent), and widened
+  to the contract's int32 once per result.
 - A request is admitted, prefilled and decoded under one policy version; `publish` swaps weights
   only when no slot is busy and clears the prefix cache (old K/V are stale for new weights).
 - Tokens fed to the model never exceed `max_context`: generation stops with LENGTH at
@@ -36,6 +54,7 @@ import collections
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -60,11 +79,13 @@ from t1jax.parallel.rules import (
 )
 from t1jax.rollout.prefix_cache import PrefixCache, block_keys
 from t1jax.rollout.sampling import sample, split_seed
-from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult
-from t1jax.rollout.validation import checked_prompt
+from t1jax.rollout.types import FinishReason, GenerateRequest, GenerateResult, SamplerTimeout
+from t1jax.rollout.validation import checked_prompt, wait_all
 from t1jax.rollout.weights import conform_params, place
 
 logger = logging.getLogger(__name__)
+
+_MIN_STOP_WIDTH = 4  # stop-id slots per row in the decode program (grows in powers of two)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,16 +94,27 @@ class EngineConfig:
     plus completion (<= the model's max_position_embeddings). block_size: prefill window and
     prefix-cache block, in tokens. prefix_cache_bytes: the prefix cache's memory budget (0
     disables it). mesh_shape: sizes of the mesh axes (data, fsdp, expert, tensor) over the given
-    devices; default: every device on `tensor`."""
+    devices; default: every device on `tensor`. decode_steps: decode steps per device call (one
+    host round trip per that many tokens; aborts and admissions wait at most one round).
+    prefill_rows: rows per prefill call (a fixed shape, so a row's result never depends on how
+    many rows prefill with it). kv_chunk: cache slots the decode attention reads per step of
+    its loop (smaller suits a CPU's caches, larger an accelerator). min_prefill_kv: the smallest
+    cache view a prefill window attends over (shorter views save too little to be worth a
+    program of their own)."""
 
     max_batch: int = 8
     max_context: int = 4096
     block_size: int = 64
     prefix_cache_bytes: int = 256 * 2**20
     mesh_shape: Mapping[str, int] | None = None
+    decode_steps: int = 16
+    prefill_rows: int = 4
+    kv_chunk: int = 256
+    min_prefill_kv: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_context", "block_size"):
+        positive = ("max_batch", "max_context", "block_size", "decode_steps", "prefill_rows", "kv_chunk")
+        for name in positive + ("min_prefill_kv",):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
         if self.prefix_cache_bytes < 0:
@@ -97,6 +129,19 @@ class EngineConfig:
                 raise ValueError(
                     "EngineConfig.mesh_shape: the sampler does not split sequences (context must be 1)"
                 )
+
+
+def routing_dtype(num_experts: int) -> np.dtype:
+    """The narrowest integer dtype that holds every expert id: uint8 up to 256 experts."""
+    if num_experts <= 2**8:
+        return np.dtype(np.uint8)
+    if num_experts <= 2**15:
+        return np.dtype(np.int16)
+    return np.dtype(np.int32)
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 class EngineClosed(RuntimeError):
@@ -121,8 +166,9 @@ class _Work:
         self.version = -1
         self.prefilled = 0  # prompt tokens in the cache row
         self.cached = 0  # of which restored from the prefix cache
-        self.keys: list[bytes] = []  # prefix-cache keys of the prompt's full blocks
-        self.routing: list[np.ndarray] = []  # chunks of int32 [rows, L, k], in position order
+        self.keys: list[bytes] = []  # prefix-cache keys of the blocks before the resume point
+        self.new_blocks: dict[bytes, tuple[Any, np.ndarray]] = {}  # computed here, not yet cached
+        self.routing: list[np.ndarray] = []  # compact chunks [rows, L, k], in position order
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.raw_logprobs: list[float] = []
@@ -154,6 +200,7 @@ class JaxEngine:
         self.config = config
         self.model_config = model_config
         self.rules = rules
+        self.routing_dtype = routing_dtype(model_config.num_experts)
         devices = list(jax.devices() if devices is None else devices)
         shape = dict(config.mesh_shape or {"tensor": len(devices)})
         self.mesh = make_mesh(**shape, devices=devices)
@@ -169,10 +216,15 @@ class JaxEngine:
 
         self._cache = self._new_cache()
         self._cache_shardings = jax.tree.map(lambda a: a.sharding, self._cache)
-        self._zero_row_state = jax.device_put(self._row_linear_state(self._cache, 0), self._replicated)
-        self.compile_counts: collections.Counter[str] = collections.Counter()  # traces per step function
-        self.step_counts: collections.Counter[str] = collections.Counter()  # device steps run
-        self._build_step_functions()
+        self._block_sharding, self._row_state_shardings = self._prefix_shardings()
+        self._zero_row_state = jax.device_put(
+            jax.tree.map(lambda a: np.zeros(a.shape[1:], a.dtype), self._linear_layers(self._cache)),
+            self._row_state_shardings,
+        )
+        self.compile_counts: collections.Counter[str] = collections.Counter()  # traces per program
+        self.step_counts: collections.Counter[str] = collections.Counter()  # device calls and steps run
+        self._programs: dict[str, Any] = {}
+        self._prefill_rows = min(config.prefill_rows, config.max_batch)
 
         self.prefix_cache = PrefixCache(config.block_size, config.prefix_cache_bytes)
         slots = config.max_batch
@@ -183,6 +235,8 @@ class JaxEngine:
         self._seed_low = np.zeros(slots, np.uint32)
         self._seed_high = np.zeros(slots, np.uint32)
         self._next_input = np.zeros(slots, np.int32)
+        self._limit = np.zeros(slots, np.int32)  # tokens a slot may generate in all
+        self._stops = np.full((slots, _MIN_STOP_WIDTH), -1, np.int32)
 
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Work] = collections.deque()
@@ -200,9 +254,12 @@ class JaxEngine:
     def policy_version(self) -> int:
         return self._version
 
-    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+    def generate(
+        self, requests: Sequence[GenerateRequest], *, timeout_sec: float | None = None
+    ) -> list[GenerateResult]:
         """Serve every request (blocking, thread-safe); results in request order. Invalid
-        requests raise ValueError before anything is queued."""
+        requests raise ValueError before anything is queued. With `timeout_sec`, requests not
+        served in time are aborted and `SamplerTimeout` names them."""
         works = [_Work(request, self._checked_prompt(request)) for request in requests]
         ids = [work.request_id for work in works]
         if len(set(ids)) != len(ids):
@@ -218,8 +275,11 @@ class JaxEngine:
                 self._known[work.request_id] = work
                 self._waiting.append(work)
             self._cv.notify_all()
-        for work in works:
-            work.done.wait()
+        try:
+            wait_all([work.done for work in works], ids, timeout_sec)
+        except SamplerTimeout:
+            self.abort(ids)  # a live engine frees the slots; a hung one cannot, and the caller knows
+            raise
         for work in works:
             if isinstance(work.error, EngineClosed):
                 raise work.error
@@ -232,11 +292,16 @@ class JaxEngine:
             self._abort_ids.update(i for i in request_ids if i in self._known)
             self._cv.notify_all()
 
-    def publish(self, params: Any, version: int, *, abort_in_flight: bool = False) -> None:
+    def publish(
+        self, params: Any, version: int, *, abort_in_flight: bool = False, timeout_sec: float | None = None
+    ) -> None:
         """Install `params` (nnx.Module / nnx.State / nested mapping) as policy `version` at a
         barrier: admission stops, in-flight requests finish (or, with `abort_in_flight`, are
         aborted), weights swap, the prefix cache is cleared, admission resumes. A tree of the
-        wrong structure, shapes or dtypes raises ValueError and changes nothing."""
+        wrong structure, shapes or dtypes raises ValueError and changes nothing. Placing the
+        arrays on the sampler's devices is a bulk transfer and has no deadline; the barrier does:
+        when it is not reached within `timeout_sec`, the publication is withdrawn (the old
+        version keeps serving) and `SamplerTimeout` is raised."""
         if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {type(version).__name__}")
         with self._publish_lock:
@@ -253,9 +318,24 @@ class JaxEngine:
                     "error": None,
                 }
                 self._cv.notify_all()
-            done.wait()
+            if not done.wait(timeout_sec):
+                with self._cv:
+                    withdrawn = self._publication is publication
+                    if withdrawn:
+                        self._publication = None
+                        self._cv.notify_all()
+                if withdrawn:
+                    raise SamplerTimeout("publish", timeout_sec, [w.request_id for w in self._slots if w])
+                done.wait()  # the scheduler took it just now: it completes without waiting more
             if publication["error"] is not None:
                 raise EngineClosed("the sampler engine was closed before the publication took effect")
+
+    def probe(self, timeout_sec: float) -> float:
+        """Seconds the scheduler thread took to run a no-op between device steps; `SamplerTimeout`
+        when it does not within `timeout_sec` (a device step or the thread itself is stuck)."""
+        started = time.monotonic()
+        self._run_on_scheduler(lambda: None, timeout_sec=timeout_sec, operation="probe")
+        return time.monotonic() - started
 
     def progress(self, request_id: str) -> int | None:
         """Tokens generated so far for an undelivered request, or None if unknown/delivered."""
@@ -268,17 +348,60 @@ class JaxEngine:
         self._run_on_scheduler(self.prefix_cache.clear)
 
     def warmup(self) -> None:
-        """Compile every step function now (otherwise the first requests pay for it)."""
-        self.generate(
-            [
-                GenerateRequest(
-                    "__warmup__",
-                    np.zeros(self.config.block_size + 1, np.int32),
-                    _greedy_params(2),
-                )
-            ]
+        """Compile every program now (otherwise the first requests pay for it): the decode round,
+        prefill for every kv bucket, and the prefix cache's take and restore programs for every
+        block-count bucket. It runs only windows of padding, an empty decode round and restores
+        of a free row, so it changes no request's state."""
+        self._run_on_scheduler(self._compile_all)
+
+    def _compile_all(self) -> None:
+        rows = self._prefill_rows
+        for kv in self.kv_buckets():
+            program = self._program(f"prefill[kv={kv}]", lambda kv=kv: self._prefill_program(kv))
+            padding = np.zeros(rows, np.int32)
+            ids = np.zeros((rows, self.config.block_size), np.int32)
+            logits, _, self._cache = self._device(program, self._state, self._cache, padding, ids, padding)
+        first_token = self._program("first_token", self._first_token_program)
+        params = (self._temperature, self._top_k_param, self._top_p, self._seed_low, self._seed_high)
+        self._device(first_token, logits, *(a[padding] for a in params))
+        width = self._stops.shape[1]
+        program = self._program(f"decode[stops={width}]", lambda: self._decode_program(width))
+        live = np.zeros(len(self._slots), bool)
+        *_, self._cache = self._device(
+            program,
+            self._state,
+            self._cache,
+            self._next_input,
+            live,
+            self._limit * 0,
+            self._limit,
+            self._stops,
+            self._temperature,
+            self._top_k_param,
+            self._top_p,
+            self._seed_low,
+            self._seed_high,
         )
-        self.clear_prefix_cache()
+        if None not in self._slots:
+            return
+        slot = self._slots.index(None)
+        self._restore(slot, [])
+        if self.config.prefix_cache_bytes == 0:
+            return
+        take = self._program("take_block", self._take_block_program)
+        kv = self._device(take, self._cache, np.int32(slot), np.int32(0))
+        state = self._device(
+            self._program("take_state", self._take_state_program), self._cache, np.int32(slot)
+        )
+        empty = _WarmupEntry(kv, state)
+        most = (self.config.max_context - 2) // self.config.block_size  # blocks a hit can restore
+        count = 1
+        while True:
+            self._restore(slot, [empty] * count)
+            if count >= most:
+                break
+            count *= 2
+        self._restore(slot, [])  # leave the row empty
 
     def close(self) -> None:
         """Stop the scheduler; pending and in-flight requests fail with EngineClosed."""
@@ -297,7 +420,7 @@ class JaxEngine:
     def _checked_prompt(self, request: GenerateRequest) -> np.ndarray:
         return checked_prompt(request, self.model_config.vocab_size, self.config.max_context)
 
-    # ---- device state and compiled steps -----------------------------------------------------
+    # ---- device state ------------------------------------------------------------------------
     def _cache_spec(self, shape, logical) -> NamedSharding:
         return NamedSharding(self.mesh, resolve_spec(logical, shape, self.mesh, self.rules))
 
@@ -331,95 +454,231 @@ class JaxEngine:
         return jax.jit(make, out_shardings=shardings)()
 
     @staticmethod
-    def _row_linear_state(cache: DecodeCache, row) -> tuple:
+    def _attention_layers(cache: DecodeCache) -> list[AttentionLayerCache]:
+        return [layer for layer in cache.layers if isinstance(layer, AttentionLayerCache)]
+
+    @staticmethod
+    def _linear_layers(cache: DecodeCache) -> tuple:
+        """((conv_state, recurrent_state), ...) of every linear-attention layer."""
         return tuple(
-            (layer.conv_state[row], layer.recurrent_state[row])
+            (layer.conv_state, layer.recurrent_state)
             for layer in cache.layers
             if isinstance(layer, LinearLayerCache)
         )
 
-    def _build_step_functions(self) -> None:
-        graphdef, counts, block = self._graphdef, self.compile_counts, self.config.block_size
-        rows = self.config.max_batch
-        rep, cache_sh, state_sh = self._replicated, self._cache_shardings, self._state_shardings
-
-        def prefill(state, cache, ids, valid, temperature, top_k, top_p, seed_low, seed_high):
-            counts["prefill"] += 1
-            model = nnx.merge(graphdef, state)
-            out, cache = model.extend(ids, cache, valid_lengths=valid)
-            last = jnp.clip(valid - 1, 0, block - 1)
-            logits = out.logits[jnp.arange(rows), last]
-            index = jnp.zeros((rows,), jnp.int32)
-            token, logprob, raw = sample(logits, temperature, top_k, top_p, seed_low, seed_high, index)
-            return token, logprob, raw, out.routing, cache
-
-        def decode(state, cache, ids, active, temperature, top_k, top_p, seed_low, seed_high, index):
-            counts["decode"] += 1
-            model = nnx.merge(graphdef, state)
-            out, cache = model.decode_step(ids, cache, active=active)
-            token, logprob, raw = sample(out.logits, temperature, top_k, top_p, seed_low, seed_high, index)
-            return token, logprob, raw, out.routing, cache
-
-        def snapshot(cache, row, start):
-            counts["snapshot"] += 1
-            attention = tuple(
-                tuple(
-                    jax.lax.dynamic_slice_in_dim(
-                        jax.lax.dynamic_index_in_dim(a, row, 0, False), start, block, 0
-                    )
-                    for a in (layer.key, layer.value)
-                )
-                for layer in cache.layers
-                if isinstance(layer, AttentionLayerCache)
+    def _prefix_shardings(self):
+        """Shardings of a prefix-cache block's packed K/V [attention layers, 2, block, kv_heads,
+        head_dim] and of one row's recurrent state: the cache's own, so storing and restoring
+        move no data between devices."""
+        cfg, model_cfg = self.config, self.model_config
+        attention_layers = len(self._attention_layers(self._cache))
+        block_shape = (attention_layers, 2, cfg.block_size, model_cfg.num_key_value_heads, model_cfg.head_dim)
+        block = self._cache_spec(block_shape, (None, None, None, ACT_KV_HEADS, None))
+        row_state = tuple(
+            (
+                self._cache_spec(conv.shape[1:], (None, None)),
+                self._cache_spec(recurrent.shape[1:], (ACT_HEADS, None, None)),
             )
-            return {"attention": attention, "linear": self._row_linear_state(cache, row)}
+            for conv, recurrent in self._linear_layers(self._cache)
+        )
+        return block, row_state
 
-        def restore_block(cache, row, start, attention):
-            counts["restore_block"] += 1
-            kv = iter(attention)
-            layers = []
+    def _kv_bucket(self, end: int) -> int:
+        """Cache slots a prefill window ending at `end` attends over: the power of two covering
+        it, at least one block and min_prefill_kv, at most max_context."""
+        cfg = self.config
+        smallest = max(cfg.block_size, cfg.min_prefill_kv)
+        return min(cfg.max_context, max(smallest, _power_of_two_at_least(end)))
+
+    def kv_buckets(self) -> list[int]:
+        """Every prefill kv bucket this engine can compile (one program each)."""
+        buckets, end = set(), 1
+        while True:
+            buckets.add(self._kv_bucket(end))
+            if end >= self.config.max_context:
+                return sorted(buckets)
+            end = min(2 * end, self.config.max_context)
+
+    # ---- compiled programs, one per bucket, built on first use -------------------------------
+    def _program(self, name: str, build):
+        program = self._programs.get(name)
+        if program is None:
+            program = self._programs[name] = build()
+        return program
+
+    def _prefill_program(self, kv: int):
+        graphdef, counts, name = self._graphdef, self.compile_counts, f"prefill[kv={kv}]"
+        cfg, routing = self.config, self.routing_dtype
+        rows, block, max_batch = self._prefill_rows, cfg.block_size, cfg.max_batch
+
+        def prefill(state, cache, slots, ids, valid):
+            counts[name] += 1
+            model = nnx.merge(graphdef, state)
+            view = _rows_view(cache, slots, kv)
+            starts = view.lengths
+            out, view = model.extend(ids, view, valid_lengths=valid)
+            cache = _write_window(cache, view, slots, starts, valid, block, max_batch)
+            last = jnp.clip(valid - 1, 0, block - 1)
+            return out.logits[jnp.arange(rows), last], out.routing.astype(routing), cache
+
+        rep, cache_sh = self._replicated, self._cache_shardings
+        return jax.jit(
+            prefill,
+            in_shardings=(self._state_shardings, cache_sh) + (rep,) * 3,
+            out_shardings=(rep, rep, cache_sh),
+            donate_argnums=(1,),
+        )
+
+    def _first_token_program(self):
+        """Samples a prompt's first token from its last logits: one program for every kv bucket
+        (sampling is a large part of a prefill program's compile time)."""
+        counts = self.compile_counts
+
+        def first_token(logits, temperature, top_k, top_p, seed_low, seed_high):
+            counts["first_token"] += 1
+            index = jnp.zeros(logits.shape[:1], jnp.int32)
+            return sample(logits, temperature, top_k, top_p, seed_low, seed_high, index)
+
+        rep = self._replicated
+        return jax.jit(first_token, in_shardings=(rep,) * 6, out_shardings=(rep, rep, rep))
+
+    def _decode_program(self, stop_width: int):
+        graphdef, counts, name = self._graphdef, self.compile_counts, f"decode[stops={stop_width}]"
+        cfg, routing = self.config, self.routing_dtype
+        steps, kv_chunk, batch = cfg.decode_steps, cfg.kv_chunk, cfg.max_batch
+        num_layers, experts_per_token = (
+            self.model_config.num_hidden_layers,
+            self.model_config.num_experts_per_tok,
+        )
+
+        def decode(
+            state, cache, tokens, live, index, limit, stops, temperature, top_k, top_p, seed_low, seed_high
+        ):
+            """Up to `steps` tokens per live row: each step feeds every row its last token and
+            samples the next with the row's own key (index = tokens it has generated); a row
+            stops at a stop id or at its limit. Returns each row's generated count after the
+            round, the per-step records [steps, B, ...] and the cache."""
+            counts[name] += 1
+            model = nnx.merge(graphdef, state)
+
+            def keep_going(carry):
+                step, live = carry[0], carry[2]
+                return (step < steps) & jnp.any(live)
+
+            def one_step(carry):
+                step, cache, live, tokens, index, records = carry
+                out, cache = model.decode_step(tokens, cache, active=live, kv_chunk=kv_chunk)
+                token, logprob, raw = sample(
+                    out.logits, temperature, top_k, top_p, seed_low, seed_high, index
+                )
+                records = tuple(
+                    buffer.at[step].set(value)
+                    for buffer, value in zip(
+                        records, (token, logprob, raw, out.routing.astype(routing)), strict=True
+                    )
+                )
+                generated = index + live.astype(jnp.int32)
+                stopped = jnp.any(token[:, None] == stops, axis=-1) | (generated >= limit)
+                tokens = jnp.where(live, token, tokens)
+                return step + 1, cache, live & ~stopped, tokens, generated, records
+
+            records = (
+                jnp.zeros((steps, batch), jnp.int32),
+                jnp.zeros((steps, batch), jnp.float32),
+                jnp.zeros((steps, batch), jnp.float32),
+                jnp.zeros((steps, batch, num_layers, experts_per_token), routing),
+            )
+            init = (jnp.int32(0), cache, live, tokens, index, records)
+            _, cache, _, _, index, records = jax.lax.while_loop(keep_going, one_step, init)
+            return index, records, cache
+
+        rep, cache_sh = self._replicated, self._cache_shardings
+        return jax.jit(
+            decode,
+            in_shardings=(self._state_shardings, cache_sh) + (rep,) * 10,
+            out_shardings=(rep, rep, cache_sh),
+            donate_argnums=(1,),
+        )
+
+    def _restore_program(self, num_blocks: int):
+        counts, name = self.compile_counts, f"restore[blocks={num_blocks}]"
+
+        block = self.config.block_size
+
+        def restore(cache, slot, length, starts, blocks, linear):
+            """Row `slot` := the cached blocks at their starts, the recurrent state, the length."""
+            counts[name] += 1
+            positions = (starts[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]).reshape(-1)
+            stacked = jnp.stack(blocks) if blocks else None  # [n, attention layers, 2, block, ...]
+            layers, states, attention = [], iter(linear), 0
             for layer in cache.layers:
                 if isinstance(layer, AttentionLayerCache):
-                    key, value = next(kv)
-                    put = lambda a, b: jax.lax.dynamic_update_slice(
-                        a, b[None].astype(a.dtype), (row, start, 0, 0)
-                    )
-                    layer = AttentionLayerCache(key=put(layer.key, key), value=put(layer.value, value))
-                layers.append(layer)
-            return DecodeCache(lengths=cache.lengths, layers=tuple(layers))
-
-        def reset_row(cache, row, length, linear):
-            counts["reset_row"] += 1
-            states = iter(linear)
-            layers = []
-            for layer in cache.layers:
-                if isinstance(layer, LinearLayerCache):
+                    if stacked is not None:
+                        put = lambda full, part: full.at[slot, positions].set(
+                            part.reshape(-1, *part.shape[2:]).astype(full.dtype)
+                        )
+                        layer = AttentionLayerCache(
+                            key=put(layer.key, stacked[:, attention, 0]),
+                            value=put(layer.value, stacked[:, attention, 1]),
+                        )
+                    attention += 1
+                else:
                     conv, recurrent = next(states)
                     layer = LinearLayerCache(
-                        conv_state=layer.conv_state.at[row].set(conv.astype(layer.conv_state.dtype)),
-                        recurrent_state=layer.recurrent_state.at[row].set(recurrent),
+                        conv_state=layer.conv_state.at[slot].set(conv.astype(layer.conv_state.dtype)),
+                        recurrent_state=layer.recurrent_state.at[slot].set(recurrent),
                     )
                 layers.append(layer)
-            return DecodeCache(lengths=cache.lengths.at[row].set(length), layers=tuple(layers))
+            return DecodeCache(lengths=cache.lengths.at[slot].set(length), layers=tuple(layers))
 
-        self._prefill = jax.jit(
-            prefill,
-            in_shardings=(state_sh, cache_sh) + (rep,) * 7,
-            out_shardings=(rep, rep, rep, rep, cache_sh),
-            donate_argnums=(1,),
+        rep, cache_sh = self._replicated, self._cache_shardings
+        return jax.jit(
+            restore,
+            in_shardings=(
+                cache_sh,
+                rep,
+                rep,
+                rep,
+                (self._block_sharding,) * num_blocks,
+                self._row_state_shardings,
+            ),
+            out_shardings=cache_sh,
+            donate_argnums=(0,),
         )
-        self._decode = jax.jit(
-            decode,
-            in_shardings=(state_sh, cache_sh) + (rep,) * 8,
-            out_shardings=(rep, rep, rep, rep, cache_sh),
-            donate_argnums=(1,),
+
+    def _take_block_program(self):
+        counts, block = self.compile_counts, self.config.block_size
+
+        def take_block(cache, slot, start):
+            """The packed K/V of row `slot`, positions [start, start + block)."""
+            counts["take_block"] += 1
+            window = lambda a: jax.lax.dynamic_slice_in_dim(
+                jax.lax.dynamic_index_in_dim(a, slot, 0, False), start, block, 0
+            )
+            return jnp.stack(
+                [
+                    jnp.stack([window(layer.key), window(layer.value)])
+                    for layer in self._attention_layers(cache)
+                ]
+            )
+
+        return jax.jit(
+            take_block,
+            in_shardings=(self._cache_shardings, self._replicated, self._replicated),
+            out_shardings=self._block_sharding,
         )
-        self._snapshot = jax.jit(snapshot, in_shardings=(cache_sh, rep, rep), out_shardings=rep)
-        self._restore_block = jax.jit(
-            restore_block, in_shardings=(cache_sh, rep, rep, rep), out_shardings=cache_sh, donate_argnums=(0,)
-        )
-        self._reset_row = jax.jit(
-            reset_row, in_shardings=(cache_sh, rep, rep, rep), out_shardings=cache_sh, donate_argnums=(0,)
+
+    def _take_state_program(self):
+        counts = self.compile_counts
+
+        def take_state(cache, slot):
+            counts["take_state"] += 1
+            return jax.tree.map(lambda a: a[slot], self._linear_layers(cache))
+
+        return jax.jit(
+            take_state,
+            in_shardings=(self._cache_shardings, self._replicated),
+            out_shardings=self._row_state_shardings,
         )
 
     def _device(self, fn, *args):
@@ -441,7 +700,7 @@ class JaxEngine:
             try:
                 for task in tasks:
                     task()
-                self._apply_aborts(aborts)
+                admitted = self._apply_aborts(aborts, admitted)
                 if publication is not None:
                     self._progress_publication(publication)
                 for work in admitted:
@@ -449,7 +708,7 @@ class JaxEngine:
                 if any(w is not None and w.phase == _PREFILL for w in self._slots):
                     self._prefill_step()
                 if any(w is not None and w.phase == _DECODE for w in self._slots):
-                    self._decode_step()
+                    self._decode_round()
             except Exception as error:  # a device failure: fail what was in flight, keep serving
                 logger.exception("sampler step failed; failing in-flight requests")
                 self._fail_in_flight(error)
@@ -471,12 +730,16 @@ class JaxEngine:
             admitted.append(self._waiting.popleft())
         return admitted
 
-    def _run_on_scheduler(self, task) -> None:
+    def _run_on_scheduler(self, task, *, timeout_sec: float | None = None, operation: str = "task") -> None:
         done = threading.Event()
+
+        failure: list[BaseException] = []
 
         def wrapped():
             try:
                 task()
+            except BaseException as error:  # the caller's to handle, not a device failure
+                failure.append(error)
             finally:
                 done.set()
 
@@ -485,7 +748,9 @@ class JaxEngine:
                 raise EngineClosed("the sampler engine is closed")
             self._tasks.append(wrapped)
             self._cv.notify_all()
-        done.wait()
+        wait_all([done], [], timeout_sec, operation=operation)
+        if failure:
+            raise failure[0]
 
     # ---- admission and the prefix cache ------------------------------------------------------
     def _admit(self, work: _Work) -> None:
@@ -497,132 +762,184 @@ class JaxEngine:
         self._top_k_param[slot] = params.top_k
         self._top_p[slot] = params.top_p
         self._seed_low[slot], self._seed_high[slot] = split_seed(params.seed)
+        self._limit[slot] = min(params.max_new_tokens, self.config.max_context - len(work.prompt))
+        self._set_stops(slot, params.stop_token_ids)
 
         block = self.config.block_size
-        prompt_len = len(work.prompt)
         hit = []
         if self.config.prefix_cache_bytes > 0:
-            work.keys = block_keys(work.prompt, block, self._cache_salt(), prompt_len // block)
-            # Leave at least the last prompt token to prefill: its logits give the first sample.
-            hit = self.prefix_cache.lookup(work.keys[: (prompt_len - 1) // block])
-        for index, entry in enumerate(hit):
-            self._cache = self._device(
-                self._restore_block,
-                self._cache,
-                np.int32(slot),
-                np.int32(index * block),
-                entry.state["attention"],
-            )
-            work.routing.append(entry.routing)
-        linear = hit[-1].state["linear"] if hit else self._zero_row_state
+            # Resume at most at the last block boundary before the prompt's end: >= 1 token is
+            # left to prefill, whose logits give the first sample. It is also where this
+            # prompt's own state is stored, for the next request that extends (or repeats) it.
+            work.keys = block_keys(work.prompt, block, self._cache_salt(), (len(work.prompt) - 1) // block)
+            hit = self.prefix_cache.lookup(work.keys)
+        work.routing.extend(entry.routing for entry in hit)
         work.prefilled = work.cached = len(hit) * block
+        self._restore(slot, hit)
+
+    def _restore(self, slot: int, hit: list) -> None:
+        """Row `slot` := the cached chain `hit` (K/V of every block, the recurrent state at its
+        end), or an empty row; one device call. The block count is padded to a power of two
+        (repeating the last block, an idempotent write) so that restores compile per bucket."""
+        block = self.config.block_size
+        bucket = _power_of_two_at_least(len(hit)) if hit else 0
+        padded = hit + hit[-1:] * (bucket - len(hit))
+        starts = np.asarray([block * min(i, len(hit) - 1) for i in range(bucket)], np.int32)
+        program = self._program(f"restore[blocks={bucket}]", lambda: self._restore_program(bucket))
+        linear = hit[-1].state if hit else self._zero_row_state
         self._cache = self._device(
-            self._reset_row, self._cache, np.int32(slot), np.int32(work.prefilled), linear
+            program,
+            self._cache,
+            np.int32(slot),
+            np.int32(len(hit) * block),
+            starts,
+            tuple(entry.kv for entry in padded),
+            linear,
         )
+        self.step_counts["restore"] += 1
 
     def _cache_salt(self) -> str:
         return f"policy-{self._version}"
 
-    def _store_block(self, work: _Work, block_index: int, routing: np.ndarray) -> None:
-        key = work.keys[block_index]
+    def _set_stops(self, slot: int, stop_ids: Sequence[int]) -> None:
+        width = self._stops.shape[1]
+        if len(stop_ids) > width:
+            grown = np.full((len(self._slots), _power_of_two_at_least(len(stop_ids))), -1, np.int32)
+            grown[:, :width] = self._stops
+            self._stops = grown
+        self._stops[slot] = -1
+        self._stops[slot, : len(stop_ids)] = stop_ids
+
+    def _keep_prefix_block(self, work: _Work, start: int, routing: np.ndarray) -> None:
+        """After the prefill window [start, start + block) of a full block before the resume
+        point: keep its K/V until the resume point is reached (unless it is cached already)."""
+        key = work.keys[start // self.config.block_size]
         if key in self.prefix_cache:
             return
-        parent = work.keys[block_index - 1] if block_index else None
-        if parent is not None and parent not in self.prefix_cache:
-            return
-        block = self.config.block_size
-        state = self._device(self._snapshot, self._cache, np.int32(work.slot), np.int32(block_index * block))
-        self.prefix_cache.insert(key, parent, state, routing)
+        program = self._program("take_block", self._take_block_program)
+        kv = self._device(program, self._cache, np.int32(work.slot), np.int32(start))
+        work.new_blocks[key] = (kv, routing)
+
+    def _store_prefix(self, work: _Work) -> None:
+        """At the resume point: store the prompt's chain with the row's recurrent state there."""
+        program = self._program("take_state", self._take_state_program)
+        state = self._device(program, self._cache, np.int32(work.slot))
+        self.prefix_cache.insert(work.keys, work.new_blocks, state)
+        work.new_blocks = {}
 
     # ---- steps -------------------------------------------------------------------------------
     def _prefill_step(self) -> None:
-        block, rows = self.config.block_size, self.config.max_batch
+        """One window for every prefilling row: rows grouped by kv bucket, `prefill_rows` per
+        call. Every call is dispatched before anything is fetched, then one transfer brings
+        back the routing (and the first tokens of the prompts that end here)."""
+        block = self.config.block_size
+        by_bucket: dict[int, list[_Work]] = collections.defaultdict(list)
+        for work in self._slots:
+            if work is not None and work.phase == _PREFILL:
+                # the window's real end: a function of the row alone (hit and miss agree on it)
+                by_bucket[self._kv_bucket(min(work.prefilled + block, len(work.prompt)))].append(work)
+        group = self._prefill_rows
+        launched = [
+            self._launch_prefill(kv, works[first : first + group])
+            for kv, works in sorted(by_bucket.items())
+            for first in range(0, len(works), group)
+        ]
+        fetched = jax.device_get([outputs for _, _, outputs in launched])
+        for (works, valid, _), (routing, first) in zip(launched, fetched, strict=True):
+            self._absorb_prefill(works, valid, routing, first)
+
+    def _launch_prefill(self, kv: int, works: list[_Work]):
+        block, rows = self.config.block_size, self._prefill_rows
+        slots = np.full(rows, works[0].slot, np.int32)  # padding rows read a busy row, write nothing
         ids = np.zeros((rows, block), np.int32)
         valid = np.zeros(rows, np.int32)
-        for slot, work in enumerate(self._slots):
-            if work is not None and work.phase == _PREFILL:
-                chunk = work.prompt[work.prefilled : work.prefilled + block]
-                ids[slot, : len(chunk)] = chunk
-                valid[slot] = len(chunk)
-        token, logprob, raw, routing, self._cache = self._device(
-            self._prefill,
-            self._state,
-            self._cache,
-            ids,
-            valid,
-            self._temperature,
-            self._top_k_param,
-            self._top_p,
-            self._seed_low,
-            self._seed_high,
-        )
-        token, logprob, raw, routing = jax.device_get((token, logprob, raw, routing))
+        for row, work in enumerate(works):
+            chunk = work.prompt[work.prefilled : work.prefilled + block]
+            slots[row] = work.slot
+            ids[row, : len(chunk)] = chunk
+            valid[row] = len(chunk)
+        program = self._program(f"prefill[kv={kv}]", lambda: self._prefill_program(kv))
+        logits, routing, self._cache = self._device(program, self._state, self._cache, slots, ids, valid)
         self.step_counts["prefill"] += 1
-        for slot, work in enumerate(self._slots):
-            if work is None or work.phase != _PREFILL:
-                continue
-            count = int(valid[slot])
-            start = work.prefilled
-            rows_routing = np.asarray(routing[slot, :count], np.int32)
-            work.routing.append(rows_routing)
+        first = None
+        if any(work.prefilled + block >= len(work.prompt) for work in works):  # a prompt ends here
+            program = self._program("first_token", self._first_token_program)
+            params = (self._temperature, self._top_k_param, self._top_p, self._seed_low, self._seed_high)
+            first = self._device(program, logits, *(a[slots] for a in params))
+        return works, valid, (routing, first)
+
+    def _absorb_prefill(self, works: list[_Work], valid: np.ndarray, routing: np.ndarray, first) -> None:
+        block = self.config.block_size
+        for row, work in enumerate(works):
+            count, start = int(valid[row]), work.prefilled
+            window_routing = np.asarray(routing[row, :count])
+            work.routing.append(window_routing)
             work.prefilled += count
-            if count == block and self.config.prefix_cache_bytes > 0:
-                self._store_block(work, start // block, rows_routing)
+            resume = len(work.keys) * block
+            if count == block and start < resume:
+                self._keep_prefix_block(work, start, window_routing)
+            if work.prefilled == resume and resume > work.cached:
+                self._store_prefix(work)
             if work.prefilled == len(work.prompt):
                 work.phase = _DECODE
-                self._accept_token(work, int(token[slot]), float(logprob[slot]), float(raw[slot]))
+                self._accept_tokens(work, *(x[row : row + 1] for x in first))
 
-    def _decode_step(self) -> None:
-        rows = self.config.max_batch
-        active = np.zeros(rows, bool)
-        index = np.zeros(rows, np.int32)
+    def _decode_round(self) -> None:
+        """Up to `decode_steps` tokens for every decoding row, in one device call."""
+        live = np.zeros(len(self._slots), bool)
+        index = np.zeros(len(self._slots), np.int32)
         for slot, work in enumerate(self._slots):
             if work is not None and work.phase == _DECODE:
-                active[slot] = True
+                live[slot] = True
                 index[slot] = len(work.tokens)
-        token, logprob, raw, routing, self._cache = self._device(
-            self._decode,
+        width = self._stops.shape[1]
+        program = self._program(f"decode[stops={width}]", lambda: self._decode_program(width))
+        generated, records, self._cache = self._device(
+            program,
             self._state,
             self._cache,
             self._next_input,
-            active,
+            live,
+            index,
+            self._limit,
+            self._stops,
             self._temperature,
             self._top_k_param,
             self._top_p,
             self._seed_low,
             self._seed_high,
-            index,
         )
-        token, logprob, raw, routing = jax.device_get((token, logprob, raw, routing))
+        generated, (tokens, logprobs, raw, routing) = jax.device_get((generated, records))
+        produced = generated - index
         self.step_counts["decode"] += 1
-        for slot, work in enumerate(self._slots):
-            if work is None or not active[slot]:
-                continue
-            work.routing.append(np.asarray(routing[slot][None], np.int32))
-            self._accept_token(work, int(token[slot]), float(logprob[slot]), float(raw[slot]))
+        self.step_counts["decode_steps"] += int(produced.max(initial=0))
+        for slot in np.flatnonzero(live):
+            work, count = self._slots[slot], int(produced[slot])
+            work.routing.append(routing[:count, slot])
+            self._accept_tokens(work, tokens[:count, slot], logprobs[:count, slot], raw[:count, slot])
 
-    def _accept_token(self, work: _Work, token: int, logprob: float, raw: float) -> None:
-        work.tokens.append(token)
-        work.logprobs.append(logprob)
-        work.raw_logprobs.append(raw)
-        params = work.request.params
-        if token in params.stop_token_ids:
+    def _accept_tokens(self, work: _Work, tokens, logprobs, raw) -> None:
+        """Record tokens sampled for `work` (the device stopped the row at the same point this
+        check finishes it: a stop id, or the length limit)."""
+        work.tokens.extend(int(t) for t in tokens)
+        work.logprobs.extend(float(x) for x in logprobs)
+        work.raw_logprobs.extend(float(x) for x in raw)
+        last = work.tokens[-1]
+        if last in work.request.params.stop_token_ids:
             self._finish(work, FinishReason.STOP)
-        elif (
-            len(work.tokens) >= params.max_new_tokens
-            or len(work.prompt) + len(work.tokens) >= self.config.max_context
-        ):
+        elif len(work.tokens) >= self._limit[work.slot]:
             self._finish(work, FinishReason.LENGTH)
         else:
-            self._next_input[work.slot] = token
+            self._next_input[work.slot] = last
 
     # ---- delivery ----------------------------------------------------------------------------
     def _finish(self, work: _Work, reason: FinishReason) -> None:
         if work.slot >= 0:
             self._slots[work.slot] = None
             work.slot = -1
+        work.new_blocks = {}
         # rows = P + G - 1 by construction; GenerateResult re-checks it.
-        routing = np.concatenate(work.routing, axis=0) if work.tokens else None
+        routing = np.concatenate(work.routing, axis=0).astype(np.int32) if work.tokens else None
         work.result = GenerateResult(
             request_id=work.request_id,
             prompt_ids=work.prompt,
@@ -641,18 +958,23 @@ class JaxEngine:
             self._known.pop(work.request_id, None)
         work.done.set()
 
-    def _apply_aborts(self, ids: set[str]) -> None:
+    def _apply_aborts(self, ids: set[str], admitted: list[_Work]) -> list[_Work]:
+        """Finish every aborted request, wherever it is: still waiting, taken for admission in
+        this very iteration (an abort must not be lost in that gap), or in a slot. Returns the
+        admitted works that remain."""
         if not ids:
-            return
+            return admitted
         with self._cv:
             waiting = [w for w in self._waiting if w.request_id in ids]
             for work in waiting:
                 self._waiting.remove(work)
+        waiting += [w for w in admitted if w.request_id in ids]
         for work in waiting:
             self._finish(work, FinishReason.ABORT)
         for work in list(self._slots):
             if work is not None and work.request_id in ids:
                 self._finish(work, FinishReason.ABORT)
+        return [w for w in admitted if w.request_id not in ids]
 
     def _progress_publication(self, publication: dict[str, Any]) -> None:
         if publication["abort"]:
@@ -661,12 +983,15 @@ class JaxEngine:
                     self._finish(work, FinishReason.ABORT)
         if any(slot is not None for slot in self._slots):
             return  # the barrier waits for in-flight requests to finish
-        self._state = publication["state"]
-        self._version = publication["version"]
-        self.prefix_cache.clear()
         with self._cv:
+            if self._publication is not publication:
+                return  # withdrawn by a publish that timed out
             self._publication = None
-        publication["done"].set()
+            self._state = publication["state"]
+            self._version = publication["version"]
+            # Set under the lock: a publish that times out now sees it done, not withdrawable.
+            publication["done"].set()
+        self.prefix_cache.clear()
 
     def _fail_in_flight(self, error: BaseException) -> None:
         for slot, work in enumerate(self._slots):
@@ -694,7 +1019,57 @@ class JaxEngine:
             publication["done"].set()
 
 
-def _greedy_params(max_new_tokens: int):
-    from t1jax.rollout.types import SamplingParams
+@dataclasses.dataclass
+class _WarmupEntry:
+    """Stands in for a prefix-cache entry when `warmup` compiles the restore programs."""
 
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    kv: Any
+    state: Any
+
+
+def _rows_view(cache: DecodeCache, slots: jax.Array, kv: int) -> DecodeCache:
+    """The cache of rows `slots` with only their first `kv` attention slots (a copy)."""
+
+    def take(layer):
+        if isinstance(layer, AttentionLayerCache):
+            return AttentionLayerCache(key=layer.key[slots, :kv], value=layer.value[slots, :kv])
+        return LinearLayerCache(
+            conv_state=layer.conv_state[slots], recurrent_state=layer.recurrent_state[slots]
+        )
+
+    return DecodeCache(lengths=cache.lengths[slots], layers=tuple(take(layer) for layer in cache.layers))
+
+
+def _write_window(
+    cache: DecodeCache, view: DecodeCache, slots, starts, valid, block: int, max_batch: int
+) -> DecodeCache:
+    """`cache` with what a prefill window changed in `view` (rows `slots`, windows starting at
+    `starts` with `valid` real tokens): the new K/V positions, the recurrent states and the
+    lengths. A row with no real token (the padding of a group) writes nothing."""
+    offsets = jnp.arange(block, dtype=jnp.int32)
+    positions = starts[:, None] + offsets[None, :]
+    fresh = offsets[None, :] < valid[:, None]
+    target_rows = jnp.where(fresh, slots[:, None], max_batch)  # out of bounds -> dropped
+    target_slots = jnp.where(valid > 0, slots, max_batch)
+    group = jnp.arange(slots.shape[0])[:, None]
+    read = jnp.clip(positions, 0, view.max_len - 1)
+
+    def put(full, part):
+        return full.at[target_rows, positions].set(part[group, read], mode="drop")
+
+    layers = []
+    for layer, written in zip(cache.layers, view.layers, strict=True):
+        if isinstance(layer, AttentionLayerCache):
+            layer = AttentionLayerCache(
+                key=put(layer.key, written.key), value=put(layer.value, written.value)
+            )
+        else:
+            layer = LinearLayerCache(
+                conv_state=layer.conv_state.at[target_slots].set(written.conv_state, mode="drop"),
+                recurrent_state=layer.recurrent_state.at[target_slots].set(
+                    written.recurrent_state, mode="drop"
+                ),
+            )
+        layers.append(layer)
+    lengths = cache.lengths.at[target_slots].set(view.lengths, mode="drop")
+    return DecodeCache(lengths=lengths, layers=tuple(layers))

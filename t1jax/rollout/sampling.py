@@ -61,10 +61,9 @@ def processed_log_distribution(
     scaled = logits / temperature
     top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), scaled.shape[:-1])
     top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), scaled.shape[:-1])
-    # Sorting the vocabulary is the expensive part (on CPU it costs more than a tiny model's
-    # decode step): skip it when no row filters. Either branch only builds the mask; the
-    # distribution below is the same computation for every row, so a row's result does not
-    # depend on whether another row in the batch filters.
+    # The threshold searches cost 64 passes over the vocabulary: skip them when no row filters.
+    # Either branch only builds the mask; the distribution below is the same computation for
+    # every row, so a row's result does not depend on whether another row in the batch filters.
     keep = jax.lax.cond(
         jnp.any((top_k > 0) | (top_p < 1.0)),
         _kept_tokens,
@@ -76,24 +75,67 @@ def processed_log_distribution(
     return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
 
 
+_KEY_BITS = 32
+
+
+def _ordered_keys(values: jax.Array) -> jax.Array:
+    """uint32 keys whose unsigned order is the float order of `values` (finite float32; -0.0
+    and +0.0 get the same key, as they compare equal)."""
+    values = jnp.where(values == 0, jnp.float32(0), values)
+    bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
+    negative = (bits >> (_KEY_BITS - 1)) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << (_KEY_BITS - 1)))
+
+
+def _largest_key_where(keys: jax.Array, holds) -> jax.Array:
+    """Per row, the largest uint32 t with `holds(keys >= t)` true, for a predicate that is
+    monotone (true at t = 0 whenever it is true anywhere, false once it fails): a radix descent
+    fixing one bit per pass from the top, 32 passes over [R, V], no sort."""
+
+    def fix_bit(step, threshold):
+        candidate = threshold | (jnp.uint32(1) << (_KEY_BITS - 1 - step).astype(jnp.uint32))
+        return jnp.where(holds(keys >= candidate[:, None]), candidate, threshold)
+
+    return jax.lax.fori_loop(0, _KEY_BITS, fix_bit, jnp.zeros(keys.shape[:1], jnp.uint32))
+
+
+def _rank_among_equal(at_threshold: jax.Array) -> jax.Array:
+    """int32 [R, V]: how many tokens with a lower id are also at the threshold (ties rank by id)."""
+    inclusive = jnp.cumsum(at_threshold.astype(jnp.int32), axis=-1)
+    return inclusive - at_threshold.astype(jnp.int32)
+
+
 def _kept_tokens(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """bool [..., V]: the tokens that survive top-k then top-p (see the module docstring)."""
+    """bool [..., V]: the tokens that survive top-k then top-p (see the module docstring).
+
+    Both filters keep a prefix of the ranking (scaled logit descending, ties by lower id), so
+    each is a threshold on the logit plus a count among the tokens tied at it; the thresholds
+    are found by radix descent over order-preserving integer keys instead of sorting the
+    vocabulary. Top-k: the k-th largest key, exactly k survivors. Top-p: the largest key at
+    which the mass of the tokens at or above it still reaches top_p (the token that completes
+    the smallest prefix reaching top_p); a tied token there survives iff the mass ranked
+    strictly before it is < top_p. Masses are float32 sums over the kept set, as in the
+    definition; only their summation order differs from a sorted cumulative sum."""
     vocab = scaled.shape[-1]
     flat = scaled.reshape(-1, vocab)
-    # Stable descending order: equal logits keep ascending token ids.
-    order = jnp.argsort(-flat, axis=-1, stable=True)
-    sorted_scaled = jnp.take_along_axis(flat, order, axis=-1)
-    rank = jnp.arange(vocab, dtype=jnp.int32)
-    top_k = top_k.reshape(-1, 1)
-    keep_sorted = (top_k <= 0) | (rank < top_k)
-    sorted_probs = jax.nn.softmax(jnp.where(keep_sorted, sorted_scaled, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    top_p = top_p.reshape(-1, 1)
-    # top_p >= 1 disables the filter outright: a float32 cumsum can reach 1.0 before the tail.
-    keep_sorted = keep_sorted & ((top_p >= 1.0) | (mass_before < top_p))
-    keep_sorted = keep_sorted.at[:, 0].set(True)
-    rows = jnp.arange(flat.shape[0])[:, None]
-    keep = jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
+    keys = _ordered_keys(flat)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).reshape(-1)
+    kth = _largest_key_where(keys, lambda above: jnp.sum(above, axis=-1) >= k)[:, None]
+    above_k = keys > kth
+    at_k = keys == kth
+    room = k[:, None] - jnp.sum(above_k, axis=-1, keepdims=True)
+    keep = above_k | (at_k & (_rank_among_equal(at_k) < room))
+
+    probs = jax.nn.softmax(jnp.where(keep, flat, -jnp.inf), axis=-1)
+    top_p = top_p.reshape(-1)
+    mass_of = lambda mask: jnp.sum(jnp.where(mask, probs, 0.0), axis=-1)
+    last = _largest_key_where(keys, lambda above: mass_of(above) >= top_p)[:, None]
+    at_last = keep & (keys == last)
+    tie_prob = jnp.max(jnp.where(at_last, probs, 0.0), axis=-1, keepdims=True)
+    mass_before = mass_of(keep & (keys > last))[:, None] + _rank_among_equal(at_last) * tie_prob
+    in_nucleus = (keys > last) | (at_last & (mass_before < top_p[:, None]))
+    # top_p >= 1 disables the filter outright: a float32 sum can reach 1.0 before the tail.
+    keep = keep & ((top_p[:, None] >= 1.0) | in_nucleus)
     return keep.reshape(scaled.shape)
 
 

@@ -14,7 +14,12 @@ Every sampler (the embedded JAX engine, the vLLM-TPU adapter) implements `Sample
   (the JAX engine: when it produced no token; vLLM: always, it reports routing only for finished
   requests). Every STOP / LENGTH result of an MoE sampler carries routing.
 - A request is served entirely by one policy version (`policy_version`): `publish` waits for a
-  barrier between requests and never swaps weights under a running request.
+  barrier between requests and never swaps weights under a running request. (A *trial* of many
+  requests is kept on one version one level up, by the trial scheduler's publication barrier.)
+- Every call that waits on the sampler has a deadline when the caller gives one: `generate`,
+  `publish` (its barrier; the weight transfer itself is bulk and unbounded) and `probe` raise
+  `SamplerTimeout` naming what did not finish, so a hung engine surfaces as a named timeout and
+  never as a hung trial. A `generate` that timed out has asked the sampler to abort its requests.
 """
 
 from __future__ import annotations
@@ -83,6 +88,20 @@ class GenerateResult:
                 )
 
 
+class SamplerTimeout(TimeoutError):
+    """A sampler call passed its deadline: the engine is hung, or too loaded to answer in time.
+    `operation` names the call (`generate`, `publish`, `probe`); `request_ids` what was waiting."""
+
+    def __init__(self, operation: str, timeout_sec: float, request_ids: Sequence[str] = ()):
+        self.operation = operation
+        self.timeout_sec = float(timeout_sec)
+        self.request_ids = tuple(request_ids)
+        what = f" (requests {', '.join(self.request_ids[:4])}{' ...' if len(self.request_ids) > 4 else ''})"
+        super().__init__(
+            f"sampler {operation} did not finish within {timeout_sec:g} s{what if request_ids else ''}"
+        )
+
+
 @runtime_checkable
 class Sampler(Protocol):
     """A policy server. `generate` is blocking and thread-safe: requests submitted concurrently
@@ -91,13 +110,23 @@ class Sampler(Protocol):
     @property
     def policy_version(self) -> int: ...
 
-    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
-        """Serve every request; results are in request order."""
+    def generate(
+        self, requests: Sequence[GenerateRequest], *, timeout_sec: float | None = None
+    ) -> list[GenerateResult]:
+        """Serve every request; results are in request order. With `timeout_sec`, raise
+        `SamplerTimeout` (after asking the sampler to abort them) when not all are served in time."""
         ...
 
-    def publish(self, params: Any, version: int) -> None:
+    def publish(self, params: Any, version: int, *, timeout_sec: float | None = None) -> None:
         """Quiesce generation, install `params` as policy `version`, resume. Raises (and keeps
-        serving the old version) when the tree's structure or shapes do not match the model."""
+        serving the old version) when the tree's structure or shapes do not match the model, or
+        with `SamplerTimeout` when the barrier (in-flight requests finishing) is not reached in
+        `timeout_sec`."""
+        ...
+
+    def probe(self, timeout_sec: float) -> float:
+        """Liveness: the sampler's serving loop answers within `timeout_sec` (seconds it took),
+        else `SamplerTimeout`. Cheap; never waits for in-flight requests to finish."""
         ...
 
     def abort(self, request_ids: Sequence[str]) -> None:

@@ -1,4 +1,5 @@
-"""Request checks shared by every sampler, so that bad input gets the same clear error from each.
+"""Request checks and bounded waits shared by every sampler, so that bad input gets the same clear
+error from each and every sampler honours a caller's deadline the same way.
 
 A request is served only if its id is a non-empty string; its prompt is a non-empty 1-D array
 of integer ids inside the vocabulary, short enough to leave room for one generated token; and
@@ -8,10 +9,34 @@ its sampling parameters are in range (max_new_tokens >= 1, temperature >= 0 and 
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Sequence
+
 import numpy as np
 
 from t1jax.rollout.sampling import split_seed
-from t1jax.rollout.types import GenerateRequest
+from t1jax.rollout.types import GenerateRequest, SamplerTimeout
+
+
+def wait_all(
+    events: Sequence[threading.Event],
+    request_ids: Sequence[str],
+    timeout_sec: float | None,
+    *,
+    operation: str = "generate",
+) -> None:
+    """Wait for every event, all within one deadline `timeout_sec` (None: forever). On timeout
+    raise `SamplerTimeout` naming the requests still unfinished (`request_ids[i]` belongs to
+    `events[i]`; empty for a call that serves no request); the caller aborts them."""
+    if timeout_sec is not None and not timeout_sec > 0:
+        raise ValueError(f"timeout_sec must be > 0 or None, got {timeout_sec}")
+    deadline = None if timeout_sec is None else time.monotonic() + timeout_sec
+    for event in events:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not event.wait(remaining):
+            late = [rid for rid, e in zip(request_ids, events, strict=False) if not e.is_set()]
+            raise SamplerTimeout(operation, timeout_sec, late)
 
 
 def checked_prompt(request: GenerateRequest, vocab_size: int, context_window: int) -> np.ndarray:

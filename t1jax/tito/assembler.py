@@ -160,9 +160,12 @@ def assemble_trajectory(trajectory: Trajectory, reward: float, tokenizer=None) -
 
     `tokenizer` (a `ChatTokenizer`, or anything with `decode_bytes(ids) -> bytes`) is needed only
     for boundaries that are not exact prefixes; without it such a boundary forks.
-    Raises `RoutingMissingError` / `RoutingAlignmentError` (trial must be aborted) and
+    Raises `RoutingMissingError` / `RoutingAlignmentError` (trial must be aborted),
+    `MixedPolicyVersions` (the trial's turns came from different policy versions: no single
+    behaviour policy generated it, so it is refused rather than labelled with one of them) and
     `TitoDriftError` (a bug: the audit found a drifted loss position).
     """
+    _ = trajectory.policy_version  # raises MixedPolicyVersions for a trial that crossed a publication
     turns = trajectory.turns
     with_routing = sum(turn.routing is not None for turn in turns)
     if 0 < with_routing < len(turns):
@@ -341,6 +344,9 @@ def _finish(
         loss_tokens=int(loss_mask.sum()),
         masked_by_repair=sum(stream.dropped_loss_by_turn.values()),
         context_drift=0 if stream.drift_start is None else num_tokens - stream.drift_start,
+        context_drift_loss_tokens=(
+            0 if stream.drift_start is None else int(loss_mask[stream.drift_start :].sum())
+        ),
         boundaries_exact=case_counts[BoundaryCase.EXACT],
         boundaries_retokenized=case_counts[BoundaryCase.RETOKENIZED],
         boundaries_text_fallback=case_counts[BoundaryCase.TEXT_FALLBACK],
@@ -357,7 +363,7 @@ def _finish(
         task_id=trajectory.task_id,
         trajectory_id=trajectory.trial_id,
         segment_index=stream.segment_index,
-        policy_version=min(turn.policy_version for turn in sample_turns),
+        policy_version=sample_turns[0].policy_version,  # every turn's (checked on entry)
         audit=counts,
         fork_index=stream.fork_index,
     )

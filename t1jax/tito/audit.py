@@ -99,6 +99,10 @@ def audit_metrics(items: Iterable[Sample] | AuditCounts) -> dict[str, float]:
     metrics["tito/drift_rate"] = total.drift_rate
     num_positions = total.aligned + total.retokenized
     metrics["tito/context_drift_rate"] = total.context_drift / num_positions if num_positions else 0.0
+    # Loss tokens trained on a history the sampler did not condition on (re-tokenised history).
+    metrics["tito/retokenized_history_loss_fraction"] = (
+        total.context_drift_loss_tokens / total.loss_tokens if total.loss_tokens else 0.0
+    )
     if num_samples is not None:
         metrics["tito/samples"] = float(num_samples)
     return metrics

@@ -124,6 +124,7 @@ class AuditCounts:
     loss_tokens: int = 0  # positions with loss_mask 1
     masked_by_repair: int = 0  # sampled tokens that lost their loss at a retokenised boundary
     context_drift: int = 0  # positions after a text-space fallback: history differs from the sampler's (§10)
+    context_drift_loss_tokens: int = 0  # loss positions among them (paper §10 measured 2.6%; we aim for 0)
     boundaries_exact: int = 0  # Box 4.2 Case 6: previous stream is a prefix of the next prompt
     boundaries_retokenized: int = 0  # Case 7: bounded re-tokenisation repair at the boundary
     boundaries_text_fallback: int = 0  # Case 8: text-space fallback, Eq. 10
@@ -150,7 +151,7 @@ class Sample:
     task_id: str
     trajectory_id: str
     segment_index: int = 0  # which compaction segment of its trajectory
-    policy_version: int = 0  # oldest policy version among the turns stitched into this sample
+    policy_version: int = 0  # the one policy version that generated every turn stitched in
     audit: AuditCounts = field(default_factory=AuditCounts)
     fork_index: int = 0  # > 0 only when an unrepairable boundary split a segment (BoundaryCase.FORK)
 
@@ -205,6 +206,21 @@ class TrialStatus(enum.StrEnum):
     MAX_TURNS = "max_turns"  # the action-turn budget is spent
     ABORTED = "aborted"  # cancelled by the caller, or the sampler's records were unusable
     ERROR = "error"  # the sampler or the sandbox raised; `detail` says which and why
+
+
+class TrialCause(enum.StrEnum):
+    """Which component ended a trial that the agent did not end itself (status ERROR or ABORTED);
+    NONE for every other status. The rollout layer tells infrastructure failures apart by it."""
+
+    NONE = "none"
+    CANCELLED = "cancelled"  # the caller's cancel event (an oversampling tail, a shutdown)
+    SAMPLER_ERROR = "sampler_error"  # Sampler.generate raised
+    SAMPLER_TIMEOUT = "sampler_timeout"  # Sampler.generate passed its deadline (a hung engine)
+    SAMPLER_ABORTED = "sampler_aborted"  # the sampler aborted a request nobody cancelled
+    SAMPLER_RECORD = "sampler_record"  # an unusable result: count, echoed prompt, length, routing
+    POLICY_VERSION_CHANGED = "policy_version_changed"  # a later turn came from another version
+    SANDBOX_ERROR = "sandbox_error"  # the sandbox failed or vanished under a command
+    HARNESS_ERROR = "harness_error"  # a bug in the harness itself
 
 
 class CompactionFailure(enum.StrEnum):
@@ -272,6 +288,7 @@ class Trajectory:
     segments: tuple[Segment, ...]
     status: TrialStatus
     detail: str = ""
+    cause: TrialCause = TrialCause.NONE  # set exactly when status is ERROR or ABORTED
     compactions: tuple[CompactionEvent, ...] = ()
     stats: TrialStats = field(default_factory=TrialStats)
     started_at: float = 0.0  # unix time
@@ -289,3 +306,22 @@ class Trajectory:
     @property
     def policy_versions(self) -> tuple[int, ...]:
         return tuple(sorted({turn.policy_version for turn in self.turns}))
+
+    @property
+    def policy_version(self) -> int | None:
+        """The one version that served every turn; None when there are no turns. Raises
+        `MixedPolicyVersions` when the turns span versions (the trial crossed a publication)."""
+        versions = self.policy_versions
+        if len(versions) > 1:
+            raise MixedPolicyVersions(self.trial_id, versions)
+        return versions[0] if versions else None
+
+
+class MixedPolicyVersions(ValueError):
+    """A trial's turns (or a batch's samples) come from more than one policy version, so no single
+    behaviour policy generated them: the PPO ratio (Eq. 26) would be scored against the wrong
+    weights. Raised instead of guessing one (App. 12.1: a batch is drawn under exactly one version)."""
+
+    def __init__(self, what: str, versions: tuple[int, ...]):
+        self.versions = tuple(versions)
+        super().__init__(f"{what} mixes policy versions {list(self.versions)}")

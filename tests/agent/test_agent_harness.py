@@ -23,7 +23,14 @@ from t1jax.agent.tokenizer import load_project_tokenizer
 from t1jax.rollout.types import FinishReason, SamplingParams
 from t1jax.tito.assembler import assemble_trajectory
 from t1jax.tito.audit import audit_metrics
-from t1jax.tito.types import BoundaryCase, CompactionFailure, TrialStatus, TurnKind
+from t1jax.tito.types import (
+    BoundaryCase,
+    CompactionFailure,
+    MixedPolicyVersions,
+    TrialCause,
+    TrialStatus,
+    TurnKind,
+)
 from tests.agent import policies
 from tests.agent.host_shell import HostShellSandbox, make_task, temporary_root
 
@@ -237,14 +244,16 @@ def test_sampler_and_sandbox_failures_become_error_statuses(sandbox_for):
     task, sandbox = sandbox_for()
 
     class ExplodingSampler(ScriptedSampler):
-        def generate(self, requests):
+        def generate(self, requests, *, timeout_sec=None):
             raise RuntimeError("engine crashed")
 
     trajectory, _ = run(task, sandbox, None, sampler=ExplodingSampler(TOK, policies.complete))
     assert trajectory.status is TrialStatus.ERROR and "engine crashed" in trajectory.detail
+    assert trajectory.cause is TrialCause.SAMPLER_ERROR
     task, broken = sandbox_for(sandbox_class=_BrokenSandbox)
     trajectory, _ = run(task, broken, policies.solver(["ls"]))
     assert trajectory.status is TrialStatus.ERROR and "sandbox pod vanished" in trajectory.detail
+    assert trajectory.cause is TrialCause.SANDBOX_ERROR
     assert trajectory.num_turns == 1  # the sampled turn is kept
     report = verify_trial(trajectory, broken).verifier_report
     assert not report.parsed and report.failure_cause is FailureCause.SANDBOX_ERROR
@@ -391,3 +400,47 @@ def test_a_summary_too_long_for_the_new_prompt_is_shortened_and_measured(sandbox
     assert 0 < event.summary_chars_kept < event.summary_chars and event.recent_output_chars_kept == 0
     new_prompt = TOK.decode(trajectory.segments[1].turns[0].prompt_ids)
     assert "bytes of the summary omitted ...]" in new_prompt and "Next: continue." in new_prompt
+
+
+def test_a_hung_sampler_ends_the_trial_with_a_named_timeout(sandbox_for):
+    """The sampler answers nothing within its call deadline: the trial does not hang, it ends
+    with SAMPLER_TIMEOUT (and the request is aborted), whatever the agent deadline says."""
+    task, sandbox = sandbox_for()
+    config = dataclasses.replace(SMALL, sampler_timeout_sec=0.3)
+    started = time.monotonic()
+    trajectory, _ = run(
+        task, sandbox, policies.solver(["ls"]), config=config, sampler_kwargs={"delay_sec": 30}
+    )
+    assert time.monotonic() - started < 10
+    assert trajectory.status is TrialStatus.ERROR and trajectory.cause is TrialCause.SAMPLER_TIMEOUT
+    assert "did not finish within 0.3 s" in trajectory.detail and "trial-0/1" in trajectory.detail
+
+
+def test_a_publication_inside_a_trial_ends_it_instead_of_mixing_versions(sandbox_for):
+    """A sampler publishes between two turns of one trial (what the scheduler's barrier forbids):
+    the harness sees the second turn served by another version and ends the trial, and the
+    assembler refuses such a trajectory outright."""
+    task, sandbox = sandbox_for()
+    holder = {}
+
+    def publishing_solver(call):
+        if call.call_index == 1:
+            holder["sampler"].publish(None, 7)  # takes effect from the next request on
+        return policies.solver(["ls", "pwd", "ls"])(call)
+
+    sampler = ScriptedSampler(TOK, publishing_solver)
+    holder["sampler"] = sampler
+    trajectory, _ = run(task, sandbox, None, sampler=sampler)
+    assert trajectory.status is TrialStatus.ABORTED
+    assert trajectory.cause is TrialCause.POLICY_VERSION_CHANGED, trajectory.detail
+    assert [t.policy_version for t in trajectory.turns] == [0, 0, 7]
+    with pytest.raises(MixedPolicyVersions, match=r"mixes policy versions \[0, 7\]"):
+        assemble_trajectory(trajectory, 0.5, TOK)
+    unchecked = dataclasses.replace(SMALL, single_policy_version=False)
+    task, sandbox = sandbox_for()
+    sampler = ScriptedSampler(TOK, publishing_solver)
+    holder["sampler"] = sampler
+    trajectory, _ = run(task, sandbox, None, sampler=sampler, config=unchecked, trial_id="trial-1")
+    assert trajectory.policy_versions == (0, 7)
+    with pytest.raises(MixedPolicyVersions):
+        assemble_trajectory(trajectory, 0.5, TOK)  # refused even when the harness let it run

@@ -18,7 +18,17 @@ from t1jax.rollout.engine import EngineConfig
 from t1jax.rollout.types import GenerateRequest, SamplingParams
 
 TINY_YAML = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
-TEST_ENGINE_CONFIG = EngineConfig(max_batch=4, max_context=192, block_size=16)
+# Small enough to compile quickly, large enough that prefill uses several kv buckets (64, 128,
+# 192), decode attention several chunks, and a decode round several steps.
+TEST_ENGINE_CONFIG = EngineConfig(
+    max_batch=4,
+    max_context=192,
+    block_size=16,
+    decode_steps=4,
+    prefill_rows=2,
+    kv_chunk=64,
+    min_prefill_kv=64,
+)
 
 
 def sharpen(model: nnx.Module, seed: int) -> None:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
-from rollout_helpers import in_threads, random_prompt, request
+from rollout_helpers import in_threads, random_prompt, request, same
 
 from t1jax.parallel.rules import DEFAULT_RULES, make_mesh, state_shardings
+from t1jax.rollout.engine import EngineConfig, JaxEngine
 from t1jax.rollout.sampling import processed_log_distribution
 
 PADDED_LEN = 112
@@ -25,23 +27,23 @@ PADDED_LEN = 112
 LOGPROB_TOLERANCE = 1e-4
 
 
-def trainer_forward(policy, results):
+def trainer_forward(policy, results, padded_len=PADDED_LEN):
     """Teacher-forced forward of every result on a trainer mesh, free and replayed, in one padded
-    batch: returns (free routing, free logits, replayed logits), each [R, PADDED_LEN, ...]."""
+    batch: returns (free routing, free logits, replayed logits), each [R, padded_len, ...]."""
     mesh = make_mesh(fsdp=2, tensor=2, devices=jax.devices()[:4])
     graphdef, state = nnx.split(policy)
     state = jax.device_put(state, state_shardings(state, mesh))
     rows = len(results)
     config = policy.config
-    ids = np.zeros((rows, PADDED_LEN), np.int32)
-    segments = np.zeros((rows, PADDED_LEN), np.int32)
+    ids = np.zeros((rows, padded_len), np.int32)
+    segments = np.zeros((rows, padded_len), np.int32)
     replay = np.broadcast_to(
         np.arange(config.num_experts_per_tok, dtype=np.int32),
-        (rows, PADDED_LEN, config.num_hidden_layers, config.num_experts_per_tok),
+        (rows, padded_len, config.num_hidden_layers, config.num_experts_per_tok),
     ).copy()
     for row, result in enumerate(results):
         tokens = np.concatenate([result.prompt_ids, result.completion_ids[:-1]])
-        assert len(tokens) <= PADDED_LEN
+        assert len(tokens) <= padded_len
         ids[row, : len(tokens)] = tokens
         segments[row, : len(tokens)] = 1
         replay[row, : len(tokens)] = result.routing
@@ -78,7 +80,15 @@ def test_sampler_logprobs_and_routing_match_the_trainer(engine, policy, prompt_r
     results.append(engine.generate([requests[-1]])[0])
     assert results[-1].cached_prompt_tokens > 0
 
-    free_routing, free_logits, replay_logits = trainer_forward(policy, results)
+    worst_raw, worst_processed = compare_with_trainer(policy, requests, results)
+    print(f"\nmax |sampler - trainer| logprob: raw {worst_raw:.3g}, processed {worst_processed:.3g}")
+    assert worst_raw < LOGPROB_TOLERANCE and worst_processed < LOGPROB_TOLERANCE
+
+
+def compare_with_trainer(policy, requests, results, padded_len=PADDED_LEN):
+    """Assert the routing matches the trainer's free routing exactly and the replayed logits
+    give the same logits as the free ones; return the worst raw and processed logprob gaps."""
+    free_routing, free_logits, replay_logits = trainer_forward(policy, results, padded_len)
     worst_raw = worst_processed = 0.0
     for row, result in enumerate(results):
         prompt_len, generated = len(result.prompt_ids), len(result.completion_ids)
@@ -102,5 +112,32 @@ def test_sampler_logprobs_and_routing_match_the_trainer(engine, policy, prompt_r
         worst_processed = max(worst_processed, float(np.abs(processed - result.logprobs).max()))
         # free and replayed forwards agree too, since the routing is identical
         np.testing.assert_array_equal(free_logits[row, positions], logits)
-    print(f"\nmax |sampler - trainer| logprob: raw {worst_raw:.3g}, processed {worst_processed:.3g}")
+    return worst_raw, worst_processed
+
+
+@pytest.mark.slow
+def test_agent_length_contexts_match_the_trainer(policy, prompt_rng):
+    """Prompts of 1.9k-2.5k tokens (prefill through every kv bucket up to 4096, decode attention
+    over ten chunks), batched, then an agent's second turn resumed from the prefix cache: the
+    sampler agrees with the trainer's forward, and the hit equals a miss bit for bit."""
+    config = EngineConfig(max_batch=4, max_context=4096, block_size=64, decode_steps=8)
+    with JaxEngine(policy, jax.devices()[4:], config) as engine:
+        requests = [
+            request(random_prompt(prompt_rng, 2500), max_new_tokens=40, seed=1, temperature=1.0),
+            request(random_prompt(prompt_rng, 1900), max_new_tokens=30, seed=2, top_p=0.9),
+        ]
+        results = in_threads(engine, requests)
+        turn2 = np.concatenate(
+            [results[0].prompt_ids, results[0].completion_ids, random_prompt(prompt_rng, 50)]
+        )
+        requests.append(request(turn2, max_new_tokens=20, seed=3))
+        hit = engine.generate([requests[-1]])[0]
+        assert hit.cached_prompt_tokens == (2500 - 1) // 64 * 64
+        engine.clear_prefix_cache()
+        miss = engine.generate([requests[-1]])[0]
+        assert miss.cached_prompt_tokens == 0 and same(hit, miss)
+        results.append(hit)
+    worst_raw, worst_processed = compare_with_trainer(policy, requests, results, padded_len=2624)
+    gaps = f"raw {worst_raw:.3g}, processed {worst_processed:.3g}"
+    print(f"\nmax |sampler - trainer| logprob at agent lengths: {gaps}")
     assert worst_raw < LOGPROB_TOLERANCE and worst_processed < LOGPROB_TOLERANCE

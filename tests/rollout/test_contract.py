@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from rollout_helpers import TEST_ENGINE_CONFIG, make_policy, random_prompt, wait_for_tokens
-from vllm_doubles import JaxBackedLLMEngine, output_classes, publish_to_backing_engine
+from vllm_doubles import JaxBackedLLMEngine, passthrough, publish_to_backing_engine, sampling_params
 
 from t1jax.rollout.types import FinishReason, GenerateRequest, Sampler, SamplingParams
 from t1jax.rollout.vllm_sampler import VllmSampler, vllm_available
@@ -28,13 +28,13 @@ def sampler(request, engine, policy):
     if request.param == "jax-engine":
         yield engine
     elif request.param == "vllm-adapter":
-        classes = output_classes()
         with VllmSampler(
-            JaxBackedLLMEngine(engine, classes),
+            JaxBackedLLMEngine(engine),
             weight_writer=publish_to_backing_engine,
             vocab_size=policy.config.vocab_size,
             max_model_len=TEST_ENGINE_CONFIG.max_context,
-            sampling_params_factory=classes[3],
+            sampling_params_factory=sampling_params,
+            prompt_renderer=passthrough,
             version=engine.policy_version,
         ) as adapter:
             yield adapter

@@ -22,8 +22,8 @@ from rollout_helpers import (
 )
 
 from t1jax.parallel.rules import make_mesh, state_shardings
-from t1jax.rollout.engine import EngineClosed, EngineConfig, JaxEngine
-from t1jax.rollout.types import FinishReason, GenerateRequest
+from t1jax.rollout.engine import EngineClosed, EngineConfig, JaxEngine, routing_dtype
+from t1jax.rollout.types import FinishReason, GenerateRequest, SamplerTimeout
 
 BLOCK = TEST_ENGINE_CONFIG.block_size
 
@@ -33,6 +33,8 @@ def test_prefix_cache_hit_is_bit_identical_to_a_miss(engine, prompt_rng):
     params = dict(max_new_tokens=10, temperature=0.9, top_p=0.9, seed=21)
     engine.clear_prefix_cache()
     miss = engine.generate([request(turn1, **params)])[0]
+    # K/V for every block before the resume point, the recurrent state only at that point
+    assert len(engine.prefix_cache) == 4 and engine.prefix_cache.num_states == 1
     hit = engine.generate([request(turn1, **params)])[0]
     assert miss.cached_prompt_tokens == 0 and hit.cached_prompt_tokens == 4 * BLOCK
     assert same(hit, miss)
@@ -44,9 +46,14 @@ def test_prefix_cache_hit_is_bit_identical_to_a_miss(engine, prompt_rng):
     engine.clear_prefix_cache()
     miss2 = engine.generate([request(turn2, **params)])[0]
     assert miss2.cached_prompt_tokens == 0 and same(hit2, miss2)
-    # a prompt that is exactly the cached blocks still prefills its last token
+    # a prefix of a cached prompt resumes only where a state was kept: turn2's is past its end
+    # (its blocks are reused, the recurrent state is recomputed from the start) ...
+    exact_miss = engine.generate([request(turn2[: 5 * BLOCK], **params)])[0]
+    assert exact_miss.cached_prompt_tokens == 0
+    # ... and a prompt of whole blocks, served again, resumes one block early: it still
+    # prefills its last token, whose logits give the first sample
     exact = engine.generate([request(turn2[: 5 * BLOCK], **params)])[0]
-    assert exact.cached_prompt_tokens == 4 * BLOCK
+    assert exact.cached_prompt_tokens == 4 * BLOCK and same(exact, exact_miss)
     assert exact.routing.shape[0] == 5 * BLOCK + len(exact.completion_ids) - 1
 
 
@@ -102,14 +109,50 @@ def test_stop_tokens_length_and_the_context_window(engine, prompt_rng):
     assert full.routing.shape[0] == window - 1
 
 
-def test_step_functions_compile_once_whatever_the_lengths(engine, prompt_rng):
-    for length in (1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 3):
+def test_programs_compile_once_per_bucket_whatever_the_lengths(engine, prompt_rng):
+    """One program per bucket, each traced once (warmup compiled them all): prefill per kv
+    bucket, decode per stop-id width, restore per block-count bucket."""
+    window = TEST_ENGINE_CONFIG.max_context
+    for length in (1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 3, 9 * BLOCK, window - 4):
         prompt = random_prompt(prompt_rng, length)
-        engine.generate([request(prompt, max_new_tokens=3)])
-    # A prefix of the last prompt: its first blocks are cached, so this one restores them.
-    engine.generate([request(prompt[: 2 * BLOCK + 3], max_new_tokens=3)])
-    assert set(engine.compile_counts) == {"prefill", "decode", "snapshot", "restore_block", "reset_row"}
+        engine.generate([request(prompt, max_new_tokens=3, stop_token_ids=(1, 2))])
+        engine.generate([request(prompt, max_new_tokens=3)])  # a prefix-cache hit
+    assert engine.kv_buckets() == [64, 128, 192]
+    restores = [f"restore[blocks={n}]" for n in (0, 1, 2, 4, 8, 16)]
+    expected = {f"prefill[kv={kv}]" for kv in engine.kv_buckets()} | set(restores)
+    expected |= {"first_token", "decode[stops=4]", "take_block", "take_state"}
+    assert set(engine.compile_counts) == expected
     assert all(count == 1 for count in engine.compile_counts.values()), dict(engine.compile_counts)
+    # more stop ids than the decode program has room for: one more program, then no more
+    for _ in range(2):
+        stops = tuple(range(1, 6))
+        engine.generate([request(random_prompt(prompt_rng, 9), max_new_tokens=5, stop_token_ids=stops)])
+    assert engine.compile_counts["decode[stops=8]"] == 1
+
+
+def test_decode_takes_several_tokens_per_host_round_trip(engine, prompt_rng):
+    steps = TEST_ENGINE_CONFIG.decode_steps
+    rounds, taken = engine.step_counts["decode"], engine.step_counts["decode_steps"]
+    result = engine.generate([request(random_prompt(prompt_rng, 7), max_new_tokens=3 * steps + 1)])[0]
+    assert len(result.completion_ids) == 3 * steps + 1  # the first token comes from prefill
+    assert engine.step_counts["decode"] - rounds == 3
+    assert engine.step_counts["decode_steps"] - taken == 3 * steps
+
+
+def test_routing_records_are_compact_until_the_result(engine, prompt_rng):
+    assert [routing_dtype(e) for e in (8, 256, 257, 2**15, 2**15 + 1)] == [
+        np.uint8,
+        np.uint8,
+        np.int16,
+        np.int16,
+        np.int32,
+    ]
+    assert engine.routing_dtype == np.uint8
+    engine.clear_prefix_cache()
+    result = engine.generate([request(random_prompt(prompt_rng, 3 * BLOCK + 2), max_new_tokens=5)])[0]
+    cached = list(engine.prefix_cache._entries.values())
+    assert len(cached) == 3 and all(entry.routing.dtype == np.uint8 for entry in cached)
+    assert result.routing.dtype == np.int32  # the contract's dtype, widened once per result
 
 
 def test_abort_returns_what_was_produced(engine, prompt_rng):
@@ -314,3 +357,26 @@ def test_a_closed_engine_refuses_work(policy):
 def test_bad_engine_configs_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**fields)
+
+
+def test_a_hung_engine_is_a_named_timeout_not_a_hung_caller(engine, prompt_rng):
+    """The scheduler thread is stuck (held between steps: a device call that never returns looks
+    the same from outside). Every waiting call ends at its deadline with `SamplerTimeout` naming
+    what did not finish; a publication that timed out is withdrawn; once the thread runs again the
+    engine serves normally and nothing of the timed-out calls is left behind."""
+    version = engine.policy_version
+    prompt = random_prompt(prompt_rng, 5)
+    with scheduler_paused(engine):
+        started = time.monotonic()
+        with pytest.raises(SamplerTimeout, match=r"generate did not finish within 0.5 s \(requests hung-1\)"):
+            engine.generate([GenerateRequest("hung-1", prompt, request(prompt).params)], timeout_sec=0.5)
+        with pytest.raises(SamplerTimeout, match="probe did not finish within 0.5 s"):
+            engine.probe(0.5)
+        with pytest.raises(SamplerTimeout, match="publish did not finish within 0.5 s"):
+            engine.publish(engine._state, version + 1, timeout_sec=0.5)
+        assert time.monotonic() - started < 5
+    assert engine.probe(10.0) < 10.0
+    assert engine.policy_version == version  # the withdrawn publication never took effect
+    result = engine.generate([request(prompt, max_new_tokens=3)], timeout_sec=60)[0]
+    assert result.policy_version == version and len(result.completion_ids) >= 1
+    assert engine.progress("hung-1") is None  # the timed-out request was aborted, not kept

@@ -1,4 +1,5 @@
-"""The processed distribution and the sampler's draws, against numpy written from the definitions."""
+"""The processed distribution and the sampler's draws, against numpy written from the definitions,
+and against the sort-based mask the sampler used before its threshold search (same distribution)."""
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,23 @@ def reference_processed(logits, temperature, top_k, top_p):
     sub = scaled[survivors]
     out[survivors] = sub - (sub.max() + np.log(np.exp(sub - sub.max()).sum()))
     return out
+
+
+def sorted_keep(scaled, top_k, top_p):
+    """The kept set as the sampler computed it before the threshold search: a stable descending
+    argsort of the whole vocabulary, exactly-k, then a cumulative sum of the renormalised
+    survivors. (The reference the new search must reproduce token for token.)"""
+    vocab = scaled.shape[-1]
+    order = jnp.argsort(-scaled, axis=-1, stable=True)
+    sorted_scaled = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab, dtype=jnp.int32)
+    keep_sorted = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    sorted_probs = jax.nn.softmax(jnp.where(keep_sorted, sorted_scaled, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep_sorted = keep_sorted & ((top_p[:, None] >= 1.0) | (mass_before < top_p[:, None]))
+    keep_sorted = keep_sorted.at[:, 0].set(True)
+    rows = jnp.arange(scaled.shape[0])[:, None]
+    return jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
 
 
 _processed = jax.jit(processed_log_distribution)
@@ -138,3 +156,30 @@ def test_without_processing_the_processed_distribution_is_the_raw_one():
     logits = np.random.default_rng(1).normal(size=(2, 2048)).astype(np.float32) * 30
     got = np.asarray(_processed(jnp.asarray(logits), jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0)))
     np.testing.assert_array_equal(got, np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1)))
+
+
+@pytest.mark.parametrize("vocab", [11, 2048, 50_000])
+def test_threshold_search_keeps_exactly_what_the_sort_kept(vocab):
+    """Many rows of every kind (flat and peaked logits, duplicated values, exact zeros and -0.0,
+    k above the vocabulary, tiny and large top_p): the kept sets are identical token for token,
+    so the processed distributions are bit-identical."""
+    rng = np.random.default_rng(vocab)
+    rows = 48
+    scale = rng.choice([0.1, 1.0, 5.0, 40.0], size=(rows, 1))
+    logits = (rng.normal(size=(rows, vocab)) * scale).astype(np.float32)
+    logits[::3, : vocab // 3] = np.round(logits[::3, : vocab // 3])  # many exact ties
+    logits[1::4, :5] = logits[1::4, 5:10]  # ties between the best tokens
+    logits[2, :4] = [0.0, -0.0, 0.0, -0.0]
+    top_k = rng.choice([0, 0, 1, 2, 5, 40, vocab, vocab + 7], size=rows).astype(np.int32)
+    top_p = rng.choice([1.0, 1.0, 0.999, 0.9, 0.5, 0.05, 1e-6], size=rows).astype(np.float32)
+    temperature = rng.choice([1.0, 0.7, 1.3], size=rows).astype(np.float32)
+    scaled = jnp.asarray(logits) / jnp.asarray(temperature)[:, None]
+    want = np.asarray(jax.jit(sorted_keep)(scaled, jnp.asarray(top_k), jnp.asarray(top_p)))
+    got = np.isfinite(
+        np.asarray(_processed(jnp.asarray(logits), temperature, jnp.asarray(top_k), jnp.asarray(top_p)))
+    )
+    differing = np.flatnonzero((got != want).any(axis=-1))
+    assert differing.size == 0, [(int(r), int(top_k[r]), float(top_p[r])) for r in differing]
+    reference = jax.nn.log_softmax(jnp.where(want, scaled, -jnp.inf), axis=-1)
+    got_values = _processed(jnp.asarray(logits), temperature, jnp.asarray(top_k), jnp.asarray(top_p))
+    np.testing.assert_array_equal(np.asarray(got_values), np.asarray(reference))

@@ -1,36 +1,35 @@
-"""The vLLM adapter's request/response translation and weight writers.
+"""The vLLM adapter's own logic in the default suite: how it builds requests, how it turns an
+output record into a `GenerateResult` (logprob kinds, greedy, routing and weight-version checks,
+errors), and the HF names of our parameters.
 
-vllm-tpu (jax 0.11.2, Python 3.12) cannot be installed in this Python 3.11 environment, and the
-CUDA `vllm` wheel pins another torch; so these tests use vLLM's own output classes when `vllm`
-is importable and otherwise records with exactly vLLM's attribute names (`vllm_doubles`)."""
+vllm-tpu needs Python 3.12, so the records here are `vllm_doubles` records. Whether vLLM's real
+classes, engine flags, renderer, output assembly and the tpu-inference runner agree with the
+adapter is tested in `tests/tpu_contract/` against the installed packages (`make
+test-tpu-contract`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
 from flax import nnx
 from rollout_helpers import make_policy
-from vllm_doubles import output_classes, request_output
+from vllm_doubles import request_output
 
 from t1jax.model.hf_io import save_pretrained
 from t1jax.rollout.types import FinishReason, GenerateRequest, SamplingParams
 from t1jax.rollout.vllm_sampler import (
     PROCESSED,
     RAW,
-    InPlaceWeightWriter,
-    ReloadWeightWriter,
+    engine_kwargs,
     hf_named_arrays,
     to_generate_result,
     vllm_prompt,
     vllm_sampling_kwargs,
 )
 
-CLASSES = output_classes()
 PROMPT = np.array([5, 6, 7], np.int32)
 
 
@@ -42,7 +41,7 @@ def _request(**params):
 def _output(tokens=(11, 12), logprobs=(-0.5, -1.5), rows=None, finish="length", routing="ok"):
     rows = len(PROMPT) + len(tokens) - 1 if rows is None else rows
     routed = np.arange(rows * 4 * 2).reshape(rows, 4, 2) % 8 if routing == "ok" else routing
-    return request_output(CLASSES, "req-1", PROMPT, tokens, np.asarray(logprobs), routed, finish, cached=2)
+    return request_output("req-1", PROMPT, tokens, np.asarray(logprobs), routed, finish, cached=2)
 
 
 def test_requests_translate_to_token_ids_and_vllm_sampling_params():
@@ -57,13 +56,24 @@ def test_requests_translate_to_token_ids_and_vllm_sampling_params():
         "top_k": 20,
         "max_tokens": 9,
         "stop_token_ids": [2, 3],
-        "seed": 2**40,
         "logprobs": 1,
         "detokenize": False,
         "ignore_eos": True,
+    }  # no seed: vLLM-TPU rejects per-request seeds (checked in the contract suite)
+
+
+def test_engine_kwargs_name_the_sampler_devices_and_refuse_an_unknown_logprobs_mode():
+    kwargs = engine_kwargs(
+        "/m", max_model_len=64, max_num_seqs=2, device_indexes=[4, 5], tensor_parallelism=2
+    )
+    assert kwargs["additional_config"] == {
+        "sharding": {
+            "sharding_strategy": {"expert_parallelism": 1, "tensor_parallelism": 2, "device_indexes": [4, 5]}
+        }
     }
-    built = CLASSES[3](**kwargs)  # vllm.SamplingParams itself when importable
-    assert built.max_tokens == 9 and built.logprobs == 1 and built.detokenize is False
+    assert kwargs["enable_return_routed_experts"] is True and kwargs["logprobs_mode"] == PROCESSED
+    with pytest.raises(ValueError, match="logprobs_mode must be"):
+        engine_kwargs("/m", max_model_len=64, max_num_seqs=2, logprobs_mode="raw_logits")
 
 
 @pytest.mark.parametrize("finish,reason", [("stop", FinishReason.STOP), ("length", FinishReason.LENGTH)])
@@ -128,47 +138,3 @@ def test_hf_names_are_the_checkpoint_names(tmp_path):
     assert set(named) == set(written)
     for name, array in written.items():
         np.testing.assert_array_equal(np.asarray(named[name]), array)
-
-
-class _FakeRunnerEngine:
-    """The attributes of an in-process vLLM-TPU engine the in-place writer touches."""
-
-    def __init__(self, state):
-        self.calls = []
-        runner = SimpleNamespace(state=state, state_leaves=None)
-        self.model_executor = SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner))
-
-    def reset_prefix_cache(self):
-        self.calls.append("reset_prefix_cache")
-
-    def collective_rpc(self, method, *args, **kwargs):
-        self.calls.append(method)
-        if method == "reload_weights":
-            assert (Path(kwargs["kwargs"]["weights_path"]) / "config.json").exists()
-
-
-def test_in_place_writer_replaces_every_runner_array_in_order():
-    policy, other = make_policy(3), make_policy(4)
-    config = policy.config
-    runner_state = nnx.State(
-        {name: nnx.Param(jnp.asarray(value)) for name, value in hf_named_arrays(policy, config).items()}
-    )
-    engine = _FakeRunnerEngine(runner_state)
-    InPlaceWeightWriter(config)(engine, nnx.state(other, nnx.Param), version=1)
-    assert engine.calls == ["reset_prefix_cache", "delete_kv_cache", "reinitialize_kv_cache"]
-    want = hf_named_arrays(other, config)
-    for path, variable in nnx.to_flat_state(runner_state):
-        np.testing.assert_array_equal(np.asarray(variable.get_value()), np.asarray(want[path[0]]))
-    bad = nnx.State({"lm_head.weight": nnx.Param(jnp.zeros((3, 3)))})
-    with pytest.raises(ValueError, match="do not match the vLLM model runner"):
-        InPlaceWeightWriter(config)(_FakeRunnerEngine(bad), nnx.state(other, nnx.Param), version=2)
-
-
-def test_reload_writer_saves_a_checkpoint_and_asks_workers_to_reload(tmp_path):
-    template, other = make_policy(3), make_policy(4)
-    engine = _FakeRunnerEngine(nnx.State({}))
-    ReloadWeightWriter(template, directory=str(tmp_path))(engine, nnx.state(other, nnx.Param), version=5)
-    assert engine.calls == ["reload_weights"]
-    written = safetensors.numpy.load_file(tmp_path / "model.safetensors")
-    for name, value in hf_named_arrays(other, other.config).items():
-        np.testing.assert_array_equal(written[name], np.asarray(value))

@@ -277,6 +277,8 @@ def test_whitespace_changed_in_a_rerendered_tool_call_falls_back_to_text_space()
     np.testing.assert_array_equal(sample.tokens, expected)
     assert sample.num_loss_tokens == len(completion) + len(second.completion_ids)
     assert sample.audit.placeholder == 1 and sample.audit.context_drift > 0
+    # The second turn's tokens are trained on a history the sampler never saw (paper §10).
+    assert sample.audit.context_drift_loss_tokens == len(second.completion_ids)
     placeholder_row = len(prompt) + len(completion) - 1
     np.testing.assert_array_equal(sample.routing[placeholder_row], sample.routing[placeholder_row - 1])
     assert sample.loss_mask[placeholder_row + 1] == 0

@@ -1,0 +1,95 @@
+"""`t1jax train`: run (or resume) an RL run from a run config (`t1jax.controller.loop`).
+
+    t1jax train --config configs/runs/tiny_cpu.yaml [--run-dir runs/NAME] [--set run.steps=3 ...]
+    t1jax train --resume runs/NAME
+
+The resolved config (every default filled in) is written to RUN/config.yaml; `--resume` runs
+exactly it from the last state checkpoint. Bad config: one line naming the key, exit 2, before
+any device work. Interrupted (SIGINT/SIGTERM): trials cancelled, sandboxes closed, a checkpoint
+written, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", type=Path, help="a run config (configs/runs/*.yaml)")
+    source.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    parser.add_argument("--run-dir", type=Path, default=None, help="default: runs/<run.name>-<time>")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config key (YAML value), e.g. --set run.steps=3; repeatable",
+    )  # fmt: skip
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _overrides(pairs: list[str]) -> dict:
+    import yaml
+
+    from t1jax.cli import UsageError
+
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise UsageError(f"--set {pair!r}: expected KEY=VALUE")
+        key, value = pair.split("=", 1)
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from t1jax.cli import UsageError
+    from t1jax.controller.config import load_run_config, run_config_from_dict
+    from t1jax.controller.rundir import RunDir
+
+    if args.resume is not None:
+        if args.set:
+            raise UsageError("--set cannot change a run being resumed (it runs its own config.yaml)")
+        run_dir = RunDir(args.resume)
+        config = run_config_from_dict(run_dir.config(), source=str(run_dir.path / "config.yaml"))
+        base_dir = run_dir.path
+        config.check(base_dir=base_dir)
+        resume = True
+    else:
+        config = load_run_config(args.config, overrides=_overrides(args.set))
+        base_dir = args.config.resolve().parent
+        config = config.with_absolute_paths(base_dir)
+        path = args.run_dir or Path("runs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = RunDir(path)
+        resolved = config.resolved()
+        run_dir.create(resolved)
+        resume = False
+    _configure_logging(run_dir, args.log_level)
+    return train(config, run_dir, resume=resume, base_dir=base_dir)
+
+
+def train(config, run_dir, *, resume: bool, base_dir: Path) -> int:
+    """Check the split against the visible devices, then run the controller (the test suite and
+    notebooks call this directly)."""
+    from t1jax.controller.loop import Controller
+
+    if not config.run.pathways:
+        import jax
+
+        config.check_devices(len(jax.devices()))
+    return Controller(config, run_dir, resume=resume, base_dir=base_dir).run()
+
+
+def _configure_logging(run_dir, level: str) -> None:
+    handler = logging.FileHandler(run_dir.path / "run.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper()))
+    console = logging.StreamHandler()
+    console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    console.setLevel(logging.WARNING)  # the live display shows progress; the log file has the rest
+    root.addHandler(console)
+    for noisy in ("absl", "orbax", "jax._src", "httpx"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, getattr(logging, level.upper())))

@@ -1,0 +1,1 @@
+"""`make demo`: base -> SFT -> critic warm-up -> RL -> held-out evaluation (`t1jax.demo.driver`)."""

@@ -1,0 +1,319 @@
+"""`make demo` / `t1jax demo`: base -> SFT -> critic warm-up -> RL on a generated task suite, then
+the held-out evaluation of base, SFT and RL (paper Table 1, Figs. 9, 12), in one directory.
+
+Every stage is one of the project's own commands, run as a subprocess exactly as a user would
+run it (`t1jax tasks generate`, `t1jax sft`, `t1jax train`, `t1jax eval`), so the demo exercises the
+real sandboxes, the JAX engine, the learner, the controller and the evaluator, and nothing else:
+
+    OUT/tasks/{train,heldout}     the suite (train and held-out splits disjoint by template family)
+    OUT/base/                     the base checkpoint (HF directory)
+    OUT/sft/                      demonstrations in real sandboxes -> masked cross-entropy (t1jax sft)
+    OUT/warmup/                   critic warm-up: t1jax train with the actor held (§4.5)
+    OUT/rl/                       RL from the SFT actor and the warmed-up critic (t1jax train)
+    OUT/rl/eval/<ckpt>-<mode>/    t1jax eval on the held-out split, greedy and sampled
+    OUT/rl/plots/*.png            training curves and evaluation bars (t1jax.report.curves)
+    OUT/summary.{json,md}         the table, the verdict, the time split per stage
+    OUT/logs/<stage>.log          each stage's own output
+
+A stage whose output is complete is not run again (re-running `make demo` continues where a
+failure stopped it). The verdict: RL beats SFT and SFT beats base on the held-out resolved rate
+beyond the evaluation noise, i.e. the 95% paired bootstrap interval over tasks of the difference
+excludes 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from t1jax.controller.config import ConfigError, resolve_path, section_from_dict
+
+
+@dataclass(frozen=True)
+class TasksStage:
+    n: int = 160
+    seed: int = 0
+    heldout_fraction: float = 0.2
+
+
+@dataclass(frozen=True)
+class BaseStage:
+    """The base model: a fresh random init of `preset` (what the demo starts from), written as an
+    HF checkpoint."""
+
+    preset: str = "model.yaml"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainStage:
+    config: str = ""  # a t1jax train run config (relative to the demo config)
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SftStage:
+    config: str = "sft.yaml"
+
+
+@dataclass(frozen=True)
+class EvalStage:
+    concurrency: int = 8
+    greedy: bool = True
+    sampled_attempts: int = 3
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_turns: int = 8
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    tasks: TasksStage = field(default_factory=TasksStage)
+    base: BaseStage = field(default_factory=BaseStage)
+    sft: SftStage = field(default_factory=SftStage)
+    warmup: TrainStage = field(default_factory=TrainStage)
+    rl: TrainStage = field(default_factory=TrainStage)
+    eval: EvalStage = field(default_factory=EvalStage)
+
+
+def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"demo config {path} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    known = {f.name: f.type for f in dataclasses.fields(DemoConfig)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"{path}: {unknown[0]}: unknown section (known: {', '.join(known)})")
+    hints = {"tasks": TasksStage, "base": BaseStage, "sft": SftStage, "warmup": TrainStage, "rl": TrainStage,
+             "eval": EvalStage}  # fmt: skip
+    sections = {name: section_from_dict(hints[name], raw.get(name), name) for name in hints}
+    return DemoConfig(**sections), path.resolve().parent
+
+
+class Stage:
+    """One step of the demo: a command, where it writes, how to tell it is complete."""
+
+    def __init__(self, name: str, command: list[str] | None, done: Path, *, action=None):
+        self.name, self.command, self.done, self.action = name, command, done, action
+        self.seconds = 0.0
+        self.skipped = False
+
+
+class Demo:
+    def __init__(self, config: DemoConfig, base_dir: Path, out: Path, *, quiet: bool = False):
+        self.config, self.base_dir, self.out, self.quiet = config, base_dir, Path(out), quiet
+        self.logs = self.out / "logs"
+        self.env = {
+            **os.environ,
+            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_force_host_platform_device_count=8"),
+            "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+                "JAX_COMPILATION_CACHE_DIR", str(self.out / ".jax-cache")
+            ),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1",
+        }
+
+    # ---- stages ------------------------------------------------------------------------------
+
+    def path(self, value: str) -> Path:
+        return resolve_path(value, self.base_dir)
+
+    def stages(self) -> list[Stage]:
+        c, out = self.config, self.out
+        cli = [sys.executable, "-m", "t1jax.cli"]
+        tasks = out / "tasks"
+        stages = [
+            Stage(
+                "tasks",
+                [
+                    *cli,
+                    "tasks",
+                    "generate",
+                    "--out",
+                    str(tasks),
+                    "--n",
+                    str(c.tasks.n),
+                    "--seed",
+                    str(c.tasks.seed),
+                    "--heldout-fraction",
+                    str(c.tasks.heldout_fraction),
+                ],
+                tasks / "manifest.json",
+            ),  # fmt: skip
+            Stage("base", None, out / "base" / "config.json", action=self._write_base),
+            Stage(
+                "sft",
+                [
+                    *cli,
+                    "sft",
+                    "--config",
+                    str(self.path(c.sft.config)),
+                    "--tasks",
+                    str(tasks / "train"),
+                    "--out",
+                    str(out / "sft"),
+                    "--init",
+                    str(out / "base"),
+                ],
+                out / "sft" / "checkpoint" / "config.json",
+            ),  # fmt: skip
+        ]
+        warmup = self._train_command("warmup", c.warmup, actor=out / "sft" / "checkpoint", critic=None)
+        stages.append(Stage("warmup", warmup, out / "warmup" / "status.json"))
+        rl = self._train_command("rl", c.rl, actor=out / "sft" / "checkpoint", critic=out / "warmup")
+        stages.append(Stage("rl", rl, out / "rl" / "status.json"))
+        checkpoints = {"base": out / "base", "sft": out / "sft" / "checkpoint", "rl": out / "rl"}
+        for name, checkpoint in checkpoints.items():
+            for mode in ("greedy", "sampled") if c.eval.greedy else ("sampled",):
+                job = out / "rl" / "eval" / f"{name}-{mode}"
+                stages.append(
+                    Stage(
+                        f"eval {name} {mode}", self._eval_command(checkpoint, job, mode), job / "result.json"
+                    )
+                )
+        return stages
+
+    def _train_command(self, name: str, stage: TrainStage, *, actor: Path, critic: Path | None) -> list[str]:
+        command = [sys.executable, "-m", "t1jax.cli", "train", "--config", str(self.path(stage.config)),
+                   "--run-dir", str(self.out / name), "--set", f"model.actor_checkpoint={actor}",
+                   "--set", f"tasks.directory={self.out / 'tasks' / 'train'}"]  # fmt: skip
+        if critic is not None:
+            command += ["--set", f"model.critic_checkpoint={critic}"]
+        for key, value in stage.overrides.items():
+            command += ["--set", f"{key}={json.dumps(value)}"]
+        return command
+
+    def _eval_command(self, checkpoint: Path, job: Path, mode: str) -> list[str]:
+        e = self.config.eval
+        command = [sys.executable, "-m", "t1jax.cli", "eval", "--tasks", str(self.out / "tasks" / "heldout"),
+                   "--checkpoint", str(checkpoint), "--out", str(job), "--concurrency", str(e.concurrency),
+                   "--max-turns", str(e.max_turns), "--no-progress", "--context-window", "4096"]  # fmt: skip
+        if mode == "greedy":
+            return [*command, "--greedy", "--attempts", "1"]
+        return [*command, "--attempts", str(e.sampled_attempts), "--temperature", str(e.temperature),
+                "--top-p", str(e.top_p), "--top-k", str(e.top_k)]  # fmt: skip
+
+    def _write_base(self) -> None:
+        from flax import nnx
+
+        from t1jax.model import Qwen35MoeForCausalLM, load_config, save_pretrained
+
+        config = load_config(self.path(self.config.base.preset))
+        save_pretrained(Qwen35MoeForCausalLM(config, rngs=nnx.Rngs(self.config.base.seed)), self.out / "base")
+
+    # ---- running -----------------------------------------------------------------------------
+
+    def run(self, display=None) -> dict[str, Any]:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        stages = self.stages()
+        started = time.monotonic()
+        for stage in stages:
+            if stage.done.exists():
+                stage.skipped = True
+                continue
+            if display is not None:
+                display(stages, stage)
+            began = time.monotonic()
+            if stage.action is not None:
+                stage.action()
+            else:
+                self._run_command(stage)
+            stage.seconds = time.monotonic() - began
+        summary = self.summarize(stages, time.monotonic() - started)
+        if display is not None:
+            display(stages, None)
+        return summary
+
+    def _run_command(self, stage: Stage) -> None:
+        log = self.logs / f"{stage.name.replace(' ', '-')}.log"
+        with log.open("w") as out:
+            out.write("$ " + " ".join(stage.command) + "\n")
+            out.flush()
+            process = subprocess.run(
+                stage.command, stdout=out, stderr=subprocess.STDOUT, env=self.env, check=False
+            )
+        if process.returncode != 0 or not stage.done.exists():
+            tail = log.read_text().strip().splitlines()[-5:]
+            raise RuntimeError(
+                f"demo stage {stage.name!r} failed (exit {process.returncode}); {log}: " + " | ".join(tail)
+            )
+
+    # ---- the result --------------------------------------------------------------------------
+
+    def summarize(self, stages: list[Stage], wall_sec: float) -> dict[str, Any]:
+        from t1jax.eval.job import per_task
+        from t1jax.eval.passk import paired_difference
+        from t1jax.report.curves import save_figures
+
+        evals = self.out / "rl" / "eval"
+        table = {}
+        for job in sorted(evals.glob("*/result.json")):
+            result = json.loads(job.read_text())
+            table[job.parent.name] = {
+                "resolved_rate": result["resolved_rate"],
+                "ci95": result.get("resolved_rate_ci95"),
+                "pass_at_k": result["pass_at_k"],
+                "mean_test_fraction": result["mean_test_fraction"],
+                "n_trials": result["n_total_trials"],
+                "n_errors": result["n_errors"],
+            }
+        verdicts = {}
+        for mode in ("greedy", "sampled"):
+            jobs = {name: evals / f"{name}-{mode}" for name in ("base", "sft", "rl")}
+            if not all((job / "result.json").exists() for job in jobs.values()):
+                continue
+            outcomes = {name: per_task(job) for name, job in jobs.items()}
+            for better, worse in (("rl", "sft"), ("sft", "base")):
+                diff = paired_difference(outcomes[better], outcomes[worse])
+                if diff is not None:
+                    verdicts[f"{better}>{worse} ({mode})"] = {
+                        "difference": diff[0], "ci95": [diff[1], diff[2]], "beyond_noise": diff[1] > 0,
+                    }  # fmt: skip
+        plots = (
+            [str(p) for p in save_figures(self.out / "rl")]
+            if (self.out / "rl" / "metrics.jsonl").exists()
+            else []
+        )
+        summary = {
+            "table": table,
+            "verdicts": verdicts,
+            "stage_seconds": {s.name: round(s.seconds, 1) for s in stages if not s.skipped},
+            "stages_skipped": [s.name for s in stages if s.skipped],
+            "wall_sec": round(wall_sec, 1),
+            "plots": plots,
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (self.out / "summary.md").write_text(render_markdown(summary))
+        return summary
+
+
+def render_markdown(summary: dict[str, Any]) -> str:
+    lines = ["| checkpoint | resolved | 95% CI | pass@1 | tests passed | trials | errors |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, row in summary["table"].items():
+        ci = row["ci95"] or [float("nan")] * 2
+        lines.append(
+            f"| {name} | {row['resolved_rate']:.3f} | [{ci[0]:.3f}, {ci[1]:.3f}] | "
+            f"{row['pass_at_k'].get('1', float('nan')):.3f} | {row['mean_test_fraction']:.3f} | "
+            f"{row['n_trials']} | {row['n_errors']} |"
+        )
+    lines.append("")
+    for name, verdict in summary["verdicts"].items():
+        low, high = verdict["ci95"]
+        mark = "beyond the noise" if verdict["beyond_noise"] else "NOT beyond the noise"
+        lines.append(f"- {name}: {verdict['difference']:+.3f} [{low:+.3f}, {high:+.3f}] — {mark}")
+    lines.append("")
+    lines.append("Time per stage (s): " + ", ".join(f"{k} {v}" for k, v in summary["stage_seconds"].items()))
+    lines.append(f"Wall time: {summary['wall_sec']} s")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,315 @@
+"""`t1jax eval`: evaluate a checkpoint (or the oracle / no-op agent) on any Terminal-Bench 1.x or
+Harbor task directory, in Harbor's job layout, resumably (`t1jax.eval.job`).
+
+    t1jax eval --tasks DIR --agent oracle                   # prove the environments and verifiers first
+    t1jax eval --tasks DIR --agent nop                      # ... and that doing nothing earns nothing
+    t1jax eval --tasks DIR --checkpoint PATH [--attempts 3] [--concurrency 8] [--out JOB_DIR]
+
+Decoding defaults are the paper's evaluation protocol (§6.1): temperature 0.1, top-p 0.95,
+top-k 20, 3 attempts, 60 turns; `--greedy` decodes with temperature 0. Re-running the same
+command after an interruption continues the job (the default `--out` is derived from the
+arguments, so it is the same directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tasks", type=Path, required=True, help="a Terminal-Bench 1.x or Harbor task directory"
+    )
+    parser.add_argument(
+        "--checkpoint", default=None, help="HF directory, or a t1jax run dir / weights checkpoint"
+    )
+    parser.add_argument("--agent", choices=("model", "oracle", "nop"), default="model")
+    parser.add_argument("--attempts", type=int, default=3, help="trials per task (pass@k up to this k)")
+    parser.add_argument("--concurrency", type=int, default=8, help="trials at once (sampler slots too)")
+    parser.add_argument("--out", type=Path, default=None, help="job directory (default: jobs/eval-<digest>)")
+    decoding = parser.add_argument_group("decoding (paper §6.1 defaults)")
+    decoding.add_argument("--greedy", action="store_true", help="temperature 0 (overrides the three below)")
+    decoding.add_argument("--temperature", type=float, default=0.1)
+    decoding.add_argument("--top-p", type=float, default=0.95)
+    decoding.add_argument("--top-k", type=int, default=20)
+    decoding.add_argument("--seed", type=int, default=0)
+    harness = parser.add_argument_group("harness")
+    harness.add_argument("--max-turns", type=int, default=60)
+    harness.add_argument(
+        "--context-window", type=int, default=96_000, help="tokens (capped by the model's positions)"
+    )
+    harness.add_argument("--max-tokens-per-turn", type=int, default=8192)
+    harness.add_argument("--agent-timeout", type=float, default=None, help="seconds (default: each task's)")
+    harness.add_argument("--terminal", choices=("tmux", "exec"), default="tmux")
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)"
+    )
+    model.add_argument(
+        "--devices", type=int, default=None, help="sampler devices (default: 1 on CPU, else all)"
+    )
+    sandboxes = parser.add_argument_group("sandboxes")
+    sandboxes.add_argument(
+        "--url", default=None, help="a running sandbox service (else an in-process backend)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no live display (logs and CI)")
+    from sandbox_service.__main__ import add_backend_flags
+
+    add_backend_flags(parser)
+
+
+def default_job_dir(settings_json: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(settings_json, sort_keys=True).encode()).hexdigest()[:12]
+    return Path("jobs") / f"eval-{digest}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from t1jax.cli import UsageError
+    from t1jax.eval.job import EvalSettings
+
+    if args.concurrency < 1:
+        raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if not args.tasks.is_dir():
+        raise UsageError(f"--tasks {args.tasks} is not a directory")
+    if args.agent == "model" and not args.checkpoint:
+        raise UsageError("--agent model (the default) needs --checkpoint; or use --agent oracle / nop")
+    settings = EvalSettings(
+        tasks_dir=str(args.tasks.resolve()),
+        agent=args.agent,
+        checkpoint=args.checkpoint,
+        dtype=args.dtype,
+        attempts=args.attempts,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_turns=args.max_turns,
+        context_window=args.context_window,
+        max_tokens_per_turn=args.max_tokens_per_turn,
+        agent_timeout_sec=args.agent_timeout,
+        terminal=args.terminal,
+    )
+    return evaluate(settings, args)
+
+
+def evaluate(settings, args: argparse.Namespace) -> int:
+    """Build the agent, the sandboxes and the scheduler, run the job, print the table."""
+    import dataclasses
+
+    from sandbox_service.tasks import load_dataset
+    from t1jax.cli import UsageError
+    from t1jax.eval.job import EvalJob
+    from t1jax.runtime.scheduler import TrialScheduler
+
+    dataset = load_dataset(settings.tasks_dir)
+    if not dataset.tasks and not dataset.errors:
+        raise UsageError(f"no tasks found under {settings.tasks_dir}")
+    agent = build_agent(settings, args)
+    with agent:
+        settings = dataclasses.replace(settings, context_window=agent.context_window)
+        job_dir = args.out or default_job_dir(settings.to_json())
+        job = EvalJob(job_dir, settings, dataset.tasks, dataset.errors)
+        for spec in job.specs:
+            agent.register(spec)
+        run_id = "eval-" + hashlib.sha256(str(Path(job_dir).resolve()).encode()).hexdigest()[:12]
+        with sandbox_provider(args, run_id) as sandboxes:
+            scheduler = TrialScheduler(
+                sampler=agent.sampler,
+                sandboxes=sandboxes,
+                tokenizer=agent.tokenizer,
+                harness=agent.harness(settings),
+                reward=_reward_config(settings),
+                run_id=run_id,
+                concurrency=args.concurrency,
+                assemble=False,
+            )
+            with scheduler:
+                result = _run_with_display(job, scheduler, agent.tokenizer.decode, quiet=args.no_progress)
+    print_table(result, job_dir)
+    return 0
+
+
+def _reward_config(settings):
+    from t1jax.rl.reward import RewardConfig
+
+    return RewardConfig(scale=settings.reward_scale)
+
+
+# ---- the agent: a model behind the JAX engine, or a scripted policy -----------------------------
+
+
+class Agent:
+    """The sampler, tokenizer and harness limits for one evaluation; a context manager that
+    closes the engine."""
+
+    def __init__(self, sampler, tokenizer, context_window: int, *, scripted: bool, book=None, closer=None):
+        self.sampler, self.tokenizer, self.context_window = sampler, tokenizer, context_window
+        self.scripted, self._book, self._closer = scripted, book, closer
+
+    def register(self, spec) -> None:
+        if self._book is not None:
+            self._book.register(spec.trial_id, spec.task)
+
+    def harness(self, settings):
+        from t1jax.agent.harness import HarnessConfig
+
+        max_tokens = min(settings.max_tokens_per_turn, self.context_window // 2)
+        return HarnessConfig(
+            max_turns=settings.max_turns,
+            max_tokens_per_turn=max_tokens,
+            min_turn_tokens=min(256, max_tokens),
+            context_window=self.context_window,
+            summary_max_tokens=min(2048, max(64, self.context_window // 8)),
+            compaction=self.context_window >= 8192,
+            agent_timeout_sec=settings.agent_timeout_sec,
+            terminal=settings.terminal,
+            require_routing=not self.scripted,
+        )
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._closer is not None:
+            self._closer()
+
+
+def build_agent(settings, args) -> Agent:
+    if settings.agent in ("oracle", "nop"):
+        from t1jax.agent.scripted import ScriptedSampler
+        from t1jax.agent.tokenizer import load_project_tokenizer
+        from t1jax.eval.agents import TaskBook, nop_policy, oracle_policy
+
+        tokenizer = load_project_tokenizer()
+        book = TaskBook()
+        policy = oracle_policy(book) if settings.agent == "oracle" else nop_policy()
+        sampler = ScriptedSampler(tokenizer, policy, with_routing=False)
+        return Agent(sampler, tokenizer, settings.context_window, scripted=True, book=book)
+    import jax
+
+    from t1jax.eval.checkpoint import load_policy
+    from t1jax.rollout.engine import EngineConfig, JaxEngine
+
+    model, tokenizer, _ = load_policy(settings.checkpoint, settings.dtype)
+    context = min(settings.context_window, model.config.max_position_embeddings)
+    devices = jax.devices()
+    count = args.devices or (1 if devices[0].platform == "cpu" else len(devices))
+    engine = JaxEngine(model, devices[:count], EngineConfig(max_batch=args.concurrency, max_context=context))
+    return Agent(engine, tokenizer, context, scripted=False, closer=engine.close)
+
+
+class sandbox_provider:
+    """The sandboxes of one evaluation: a running service (`--url`) or admission control over an
+    in-process backend. On entry, whatever an earlier, killed run of this job left is reaped; on
+    exit, every sandbox of the run is reclaimed."""
+
+    def __init__(self, args, run_id: str):
+        self.args, self.run_id = args, run_id
+        self.backend = self.controller = None
+
+    def __enter__(self):
+        if self.args.url:
+            from sandbox_service.client import SandboxServiceClient
+
+            self.controller = SandboxServiceClient(self.args.url)
+        else:
+            from sandbox_service.__main__ import build_backend
+            from sandbox_service.admission import AdmissionConfig, AdmissionController
+
+            self.backend = build_backend(self.args)
+            config = AdmissionConfig(max_live_sandboxes=self.args.concurrency, create_rate_per_sec=None)
+            self.controller = AdmissionController(self.backend, config)
+        self.controller.leak_check(self.run_id)  # a killed run of this job left these behind
+        return self.controller
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.controller.leak_check(self.run_id)
+        finally:
+            if self.backend is not None:
+                self.controller.shutdown()
+                close = getattr(self.backend, "close", None)
+                if close is not None:
+                    close()
+            else:
+                self.controller.close()
+
+
+# ---- display -------------------------------------------------------------------------------------
+
+
+def _run_with_display(job, scheduler, decode, *, quiet: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    todo, done = job.prepare()
+    counts = {"errors": sum(r["error"] is not None for r in done.values()), "resolved": 0}
+    counts["resolved"] = sum(bool(r["resolved"]) for r in done.values())
+    console = Console(stderr=True)
+    progress = Progress(
+        TextColumn("[bold]eval[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=quiet,
+    )
+
+    def status(running: int) -> str:
+        return f"running {running}  errors {counts['errors']}  resolved {counts['resolved']}"
+
+    with progress:
+        bar = progress.add_task("eval", total=len(job.specs), completed=len(done), status=status(0))
+
+        def on_trial(result, finished, total):
+            counts["errors"] += result["error"] is not None
+            counts["resolved"] += bool(result["resolved"])
+            progress.update(bar, completed=finished)
+
+        def on_poll(running):
+            progress.update(bar, status=status(running))
+
+        return job.run(scheduler, decode, on_trial=on_trial, on_poll=on_poll)
+
+
+def print_table(result: dict, job_dir) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    ks = sorted(result["pass_at_k"], key=int)
+    table = Table(title=f"t1jax eval: {job_dir}")
+    for column in ("group", "trials", "errors", "resolved", "mean reward", *(f"pass@{k}" for k in ks)):
+        table.add_column(column, justify="left" if column == "group" else "right", no_wrap=True)
+
+    def row(name, summary):
+        def pct(value):
+            return "-" if value is None else f"{100 * value:.1f}%"
+
+        table.add_row(
+            name,
+            str(summary["n_trials"] if "n_trials" in summary else result["n_total_trials"]),
+            str(summary["n_errors"]),
+            pct(summary["resolved_rate"]),
+            "-" if summary["mean_reward"] is None else f"{summary['mean_reward']:.3f}",
+            *(pct(summary["pass_at_k"].get(k)) for k in ks),
+        )
+
+    row("all", result)
+    for name, summary in result["by_category"].items():
+        row(f"category {name}", summary)
+    for name, summary in result["by_difficulty"].items():
+        row(f"difficulty {name}", summary)
+    console = Console(width=max(100, Console().width))
+    console.print(table)
+    if result["errors"]:
+        console.print(
+            f"{len(result['errors'])} errored trials (reward 0), e.g. {result['errors'][0]['cause']}: "
+            f"{result['errors'][0]['detail'][:160]}"
+        )
+    for skipped in result["skipped"]:
+        console.print(f"skipped {skipped['task_id']}: {skipped['reason'][:200]}")

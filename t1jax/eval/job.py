@@ -1,0 +1,379 @@
+"""An evaluation job: every task of a directory x `attempts` trials, run through the trial
+scheduler, written in Harbor's job layout, resumable (paper §6.1).
+
+Job directory:
+
+    JOB/config.json                 the `EvalSettings` (what decides the results) + the agent
+    JOB/result.json                 aggregate: n_total_trials, n_errors, mean reward, resolved
+                                    rate, unbiased pass@k, the same per category and difficulty,
+                                    every error with its cause, every skipped task with why
+    JOB/timing.json                 wall-clock facts (kept out of result.json, which a resumed
+                                    job must reproduce exactly)
+    JOB/<task>__attempt-<k>/result.json          one trial: fate, reward, tests, cause, timings
+    JOB/<task>__attempt-<k>/agent/trajectory.json    turns with token ids and decoded text
+    JOB/<task>__attempt-<k>/verifier/{reward.txt, ctrf.json, report.json}
+
+Invariants:
+- A trial directory is complete exactly when its `result.json` exists (written last, by an
+  atomic rename). Re-running the same command on the same JOB reruns only the trials without
+  one; a JOB started with other `EvalSettings` is refused (a different `--out` is needed).
+- Trial names, trial ids and sampling seeds are functions of the task and the attempt only,
+  so a resumed job samples what the uninterrupted one would have.
+- An errored trial (infrastructure failure) counts as reward 0 and is listed with its cause; a
+  task the backend cannot build (or that failed to load) is listed as skipped with the reason
+  and counted nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sandbox_service.contracts import Task, VerifierReport
+from t1jax.eval.passk import bootstrap_interval, mean_pass_at_k
+from t1jax.rollout.types import SamplingParams
+from t1jax.runtime.records import resolved, trajectory_json
+from t1jax.runtime.scheduler import FailureCause, FinishedTrial, TrialFate, TrialScheduler, TrialSpec
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Everything that decides an evaluation's results (not how fast it runs). Defaults are the
+    paper's evaluation protocol (§6.1): temperature 0.1, top-p 0.95, top-k 20, 3 attempts, 60
+    turns; `greedy` overrides the sampling parameters with temperature 0."""
+
+    tasks_dir: str
+    agent: str = "model"  # model | oracle | nop
+    checkpoint: str | None = None
+    dtype: str | None = None  # the checkpoint's own unless set
+    attempts: int = 3
+    greedy: bool = False
+    temperature: float = 0.1
+    top_p: float = 0.95
+    top_k: int = 20
+    seed: int = 0
+    max_turns: int = 60
+    context_window: int = 96_000
+    max_tokens_per_turn: int = 8192
+    agent_timeout_sec: float | None = None  # None: each task's own
+    terminal: str = "tmux"
+    reward_scale: float = 20.0  # S of Eq. 20, for the reported test-count reward
+
+    def __post_init__(self) -> None:
+        if self.agent not in ("model", "oracle", "nop"):
+            raise ValueError(f"agent must be model, oracle or nop, got {self.agent!r}")
+        if self.agent == "model" and not self.checkpoint:
+            raise ValueError("--agent model needs --checkpoint (an HF directory or a run's checkpoint)")
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {self.attempts}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(
+                f"sampling out of range: temperature {self.temperature} (>= 0), top_p {self.top_p} "
+                f"(in (0, 1]), top_k {self.top_k} (>= 0)"
+            )
+
+    @property
+    def sampling(self) -> SamplingParams:
+        if self.greedy:
+            return SamplingParams(max_new_tokens=1, temperature=0.0, seed=self.seed)
+        return SamplingParams(
+            max_new_tokens=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def trial_name(task: Task, attempt: int) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", task.task_id).strip("-") or "task"
+    return f"{slug}__attempt-{attempt}"
+
+
+def plan_trials(tasks: Sequence[Task], settings: EvalSettings) -> list[TrialSpec]:
+    return [
+        TrialSpec(trial_name(task, attempt), task, settings.sampling, attempt)
+        for task in sorted(tasks, key=lambda t: t.task_id)
+        for attempt in range(1, settings.attempts + 1)
+    ]
+
+
+# ---- one trial on disk ---------------------------------------------------------------------------
+
+
+def harbor_reward(report: VerifierReport | None) -> float:
+    """The value Harbor records for a trial: the verifier's reward file, else its outcome."""
+    if report is None:
+        return 0.0
+    if report.reward_value is not None:
+        return float(report.reward_value)
+    return 1.0 if report.binary_outcome else 0.0
+
+
+def trial_result(trial: FinishedTrial, settings: EvalSettings) -> dict[str, Any]:
+    """The trial's `result.json`: deterministic fields first, `timings` last."""
+    task = trial.task
+    trajectory = trial.trajectory
+    report = trajectory.verifier_report if trajectory is not None else None
+    completed = trial.fate is TrialFate.COMPLETED
+    skipped = trial.cause is FailureCause.SANDBOX_UNSUPPORTED
+    passed = report.passed if (report is not None and completed) else 0
+    total = report.total if report is not None else 0
+    return {
+        "trial_name": trial.trial_id,
+        "task_id": task.task_id,
+        "attempt": trial.spec.attempt,
+        "category": task.category,
+        "difficulty": task.difficulty.value,
+        "agent": settings.agent,
+        "fate": trial.fate.value,
+        "skipped": skipped,
+        "error": None if completed or skipped else (trial.cause.value if trial.cause else trial.fate.value),
+        "detail": trial.detail[:2000],
+        "resolved": completed and resolved(report),
+        "reward": harbor_reward(report) if completed else 0.0,
+        "tests_passed": passed,
+        "tests_total": total,
+        "test_count_reward": passed / settings.reward_scale,
+        "status": trajectory.status.value if trajectory is not None else None,
+        "action_turns": trial.action_turns,
+        "policy_version": trial.policy_version,
+        "verifier": None if report is None else _report_json(report),
+        "timings": dataclasses.asdict(trial.timings),
+    }
+
+
+def _report_json(report: VerifierReport) -> dict[str, Any]:
+    return {
+        "parsed": report.parsed,
+        "failure_cause": report.failure_cause.value,
+        "binary_outcome": report.binary_outcome,
+        "reward_value": report.reward_value,
+        "detail": report.detail[:2000],
+        "assertions": [{"name": a.name, "passed": a.passed} for a in report.assertions],
+    }
+
+
+def ctrf_json(report: VerifierReport) -> dict[str, Any]:
+    """The per-assertion record in CTRF form (`results.tests[{name, status}]`), as Harbor's
+    test.sh writes it with pytest-json-ctrf."""
+    tests = [{"name": a.name, "status": "passed" if a.passed else "failed"} for a in report.assertions]
+    return {
+        "results": {
+            "tool": {"name": "t1jax-verifier"},
+            "summary": {"tests": len(tests), "passed": report.passed, "failed": len(tests) - report.passed},
+            "tests": tests,
+        }
+    }
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def write_trial(job_dir: Path, trial: FinishedTrial, settings: EvalSettings, decode) -> dict[str, Any]:
+    """Write one trial's directory; `result.json` goes last, so its presence means complete."""
+    directory = job_dir / trial.trial_id
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    _write_json(
+        directory / "config.json",
+        {
+            "trial_name": trial.trial_id,
+            "task_id": trial.task.task_id,
+            "task_dir": str(trial.task.source_dir),
+            "attempt": trial.spec.attempt,
+            "sampling": dataclasses.asdict(trial.spec.sampling),
+        },
+    )
+    record = trajectory_json(trial, decode)
+    if record is not None:
+        _write_json(directory / "agent" / "trajectory.json", record)
+    report = trial.trajectory.verifier_report if trial.trajectory is not None else None
+    if report is not None:
+        (directory / "verifier").mkdir(exist_ok=True)
+        (directory / "verifier" / "reward.txt").write_text(f"{harbor_reward(report):g}\n")
+        _write_json(directory / "verifier" / "ctrf.json", ctrf_json(report))
+        _write_json(directory / "verifier" / "report.json", _report_json(report))
+    result = trial_result(trial, settings)
+    _write_json(directory / "result.json", result)
+    return result
+
+
+# ---- the job -------------------------------------------------------------------------------------
+
+
+def aggregate(results: Iterable[Mapping[str, Any]], load_errors: Sequence[tuple[str, str]], attempts: int):
+    """result.json from the trials' results (fresh or resumed alike) and the load errors."""
+    results = sorted(results, key=lambda r: r["trial_name"])
+    counted = [r for r in results if not r["skipped"]]
+    skipped_tasks: dict[str, str] = {}
+    for r in results:
+        if r["skipped"]:
+            skipped_tasks.setdefault(r["task_id"], r["detail"])
+    for path, reason in load_errors:
+        skipped_tasks.setdefault(path, f"failed to load: {reason}")
+
+    def summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        per_task: dict[str, list[bool]] = defaultdict(list)
+        for r in rows:
+            per_task[r["task_id"]].append(bool(r["resolved"]))
+        n = len(rows)
+        out: dict[str, Any] = {
+            "n_trials": n,
+            "n_tasks": len(per_task),
+            "n_errors": sum(r["error"] is not None for r in rows),
+            "n_resolved": sum(bool(r["resolved"]) for r in rows),
+            "resolved_rate": _ratio(sum(bool(r["resolved"]) for r in rows), n),
+            "mean_reward": _ratio(sum(r["reward"] for r in rows), n),
+            "mean_test_fraction": _ratio(
+                sum(r["tests_passed"] / r["tests_total"] if r["tests_total"] else 0.0 for r in rows), n
+            ),
+            "mean_test_count_reward": _ratio(sum(r["test_count_reward"] for r in rows), n),
+        }
+        counts = [(len(v), sum(v)) for v in per_task.values()]
+        out["pass_at_k"] = {str(k): _round(mean_pass_at_k(counts, k)) for k in range(1, attempts + 1)}
+        interval = bootstrap_interval([per_task[t] for t in sorted(per_task)])
+        out["resolved_rate_ci95"] = None if interval is None else [_round(v) for v in interval]
+        return out
+
+    def grouped(key: str) -> dict[str, Any]:
+        groups: dict[str, list] = defaultdict(list)
+        for r in counted:
+            groups[r[key]].append(r)
+        return {name: summary(rows) for name, rows in sorted(groups.items())}
+
+    overall = summary(counted)
+    return {
+        "format_version": FORMAT_VERSION,
+        "n_total_trials": len(counted),
+        "n_errors": overall["n_errors"],
+        "n_skipped_tasks": len(skipped_tasks),
+        **{k: v for k, v in overall.items() if k not in ("n_trials", "n_errors")},
+        "by_category": grouped("category"),
+        "by_difficulty": grouped("difficulty"),
+        "errors": [
+            {
+                "trial_name": r["trial_name"],
+                "task_id": r["task_id"],
+                "cause": r["error"],
+                "detail": r["detail"][:300],
+            }
+            for r in counted
+            if r["error"] is not None
+        ],
+        "skipped": [{"task_id": t, "reason": why[:500]} for t, why in sorted(skipped_tasks.items())],
+    }
+
+
+def _ratio(numerator: float, denominator: int) -> float | None:
+    return _round(numerator / denominator) if denominator else None
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(float(value), 6)
+
+
+class EvalJob:
+    """One job directory (module docstring). `run` launches the unfinished trials on
+    `scheduler`, writes each as it finishes, and returns the aggregate (also in result.json)."""
+
+    def __init__(self, job_dir: str | Path, settings: EvalSettings, tasks: Sequence[Task], load_errors=()):
+        self.job_dir = Path(job_dir)
+        self.settings = settings
+        self.tasks = list(tasks)
+        self.load_errors = [(str(getattr(e, "path", "?")), str(e)) for e in load_errors]
+        self.specs = plan_trials(self.tasks, settings)
+
+    def prepare(self) -> tuple[list[TrialSpec], dict[str, dict[str, Any]]]:
+        """Create or check the job directory; returns (trials to run, results already on disk)."""
+        config_path = self.job_dir / "config.json"
+        config = {"format_version": FORMAT_VERSION, "settings": self.settings.to_json()}
+        if config_path.exists():
+            existing = json.loads(config_path.read_text())
+            if existing != config:
+                changed = sorted(
+                    key
+                    for key in set(existing.get("settings", {})) | set(config["settings"])
+                    if existing.get("settings", {}).get(key) != config["settings"].get(key)
+                )
+                differ = ", ".join(changed) or "format"
+                raise ValueError(
+                    f"{self.job_dir} holds a job with other settings ({differ} differ); "
+                    "resume it with the same arguments or pass another --out"
+                )
+        else:
+            self.job_dir.mkdir(parents=True, exist_ok=True)
+            _write_json(config_path, config)
+        done: dict[str, dict[str, Any]] = {}
+        todo: list[TrialSpec] = []
+        for spec in self.specs:
+            result_path = self.job_dir / spec.trial_id / "result.json"
+            if result_path.exists():
+                done[spec.trial_id] = json.loads(result_path.read_text())
+            else:
+                todo.append(spec)
+        return todo, done
+
+    def run(
+        self,
+        scheduler: TrialScheduler,
+        decode: Callable[[Sequence[int]], str],
+        *,
+        on_trial: Callable[[dict[str, Any], int, int], None] | None = None,
+        poll_sec: float = 0.5,
+        on_poll: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        started = time.time()
+        todo, results = self.prepare()
+        rollout = scheduler.start(todo) if todo else None
+        delivered = 0
+        try:
+            while rollout is not None and delivered < len(todo):
+                trial = rollout.next(timeout_sec=poll_sec)
+                if trial is None:
+                    if on_poll is not None:
+                        on_poll(rollout.running())
+                    continue
+                delivered += 1
+                if trial.fate is TrialFate.CANCELLED:  # interrupted: not a result, rerun on resume
+                    continue
+                results[trial.trial_id] = write_trial(self.job_dir, trial, self.settings, decode)
+                if on_trial is not None:
+                    on_trial(results[trial.trial_id], len(results), len(self.specs))
+        finally:
+            if rollout is not None:
+                rollout.cancel()
+                rollout.join()
+        result = aggregate(results.values(), self.load_errors, self.settings.attempts)
+        _write_json(self.job_dir / "result.json", result)
+        _write_json(
+            self.job_dir / "timing.json",
+            {"finished_at": time.time(), "wall_sec_this_run": time.time() - started, "trials_run": len(todo)},
+        )
+        return result
+
+
+def per_task(job_dir: str | Path, key: str = "resolved") -> dict[str, list[float]]:
+    """Each task's trial outcomes (`key` of the trials' result.json) in a job directory; skipped
+    trials are left out, errored ones count as written (0)."""
+    outcomes: dict[str, list[float]] = defaultdict(list)
+    for path in sorted(Path(job_dir).glob("*/result.json")):
+        result = json.loads(path.read_text())
+        if not result["skipped"]:
+            outcomes[result["task_id"]].append(float(result[key]))
+    return dict(outcomes)

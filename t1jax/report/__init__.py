@@ -1,0 +1,1 @@
+"""Reports drawn from run and evaluation directories (training curves, evaluation tables)."""

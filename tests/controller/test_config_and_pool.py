@@ -1,0 +1,120 @@
+"""The run config (strict keys, the paper's defaults, impossible combinations refused before any
+device work, one-line CLI errors) and the grain task pool (per-epoch shuffle, resumable cursor)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sandbox_service.tasks import load_dataset
+from t1jax.cli import main
+from t1jax.controller.config import ConfigError, RunConfig, load_run_config, run_config_from_dict
+from t1jax.data.pool import TaskPool
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_RUN = REPO / "configs" / "runs" / "tiny_cpu.yaml"
+TASKS = REPO / "tests" / "data" / "tasks"
+
+
+def test_defaults_are_the_papers():
+    config = RunConfig()
+    ppo, reward, adv = config.rl.ppo, config.rl.reward, config.rl.advantages
+    assert (ppo.clip_eps, ppo.value_clip_eps) == (0.2, 0.2)
+    assert (adv.gamma, adv.lam) == (1.0, 1.0) and reward.scale == 20.0
+    actor, critic = config.rl.actor_optimizer, config.rl.critic_optimizer
+    assert (actor.b1, actor.b2, actor.weight_decay) == (0.9, 0.98, 0.1)
+    assert critic.learning_rate == pytest.approx(15 * actor.learning_rate)
+    assert (config.schedule.batch_size, config.schedule.launch_size) == (512, 560)
+    assert config.checkpoint.weights_every == 10
+    live = config.liveness
+    assert (live.probe_grace_sec, live.probe_period_sec, live.probe_deadline_sec) == (600, 30, 120)
+    assert config.schedule.async_rollouts and not config.partial_rollouts.enabled
+
+
+def test_the_bundled_run_config_loads_and_resolves_every_default():
+    config = load_run_config(TINY_RUN)
+    resolved = config.resolved()
+    assert resolved["rl"]["ppo"]["clip_eps"] == 0.2 and resolved["liveness"]["probe_period_sec"] == 10
+    again = run_config_from_dict(yaml.safe_load(yaml.safe_dump(resolved)))
+    assert again == config  # the run directory's copy is the same config
+
+
+def write(tmp_path, **sections) -> Path:
+    raw = yaml.safe_load(TINY_RUN.read_text())
+    raw["model"]["preset"] = str(REPO / "configs" / "tiny_cpu.yaml")
+    raw["tasks"]["directory"] = str(TASKS)
+    for dotted, value in sections.items():
+        section, _, key = dotted.partition("__")
+        if key:
+            raw.setdefault(section, {})[key] = value
+        else:
+            raw[section] = value
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"harness__max_turnz": 3}, "harness.max_turnz: unknown key"),
+        ({"bogus": {}}, "bogus: unknown section"),
+        ({"schedule__batch_size": "many"}, "schedule.batch_size: must be an integer"),
+        ({"schedule__batch_size": 8}, "schedule.batch_size: 8 admitted cannot exceed the 6 launched"),
+        ({"harness__context_window": 4096}, "harness.context_window: 4096 exceeds sampler.max_context"),
+        ({"tasks__directory": "/nowhere/tasks"}, "tasks.directory: /nowhere/tasks does not exist"),
+        ({"trainer__mesh": {"fsdp": 4, "expert": 2}}, "trainer.mesh: axis sizes"),
+        ({"rl": {"ppo": {"clip": 0.3}}}, "unknown key(s) ['clip'] in section 'ppo'"),
+        ({"sandboxes__backend": "docker-swarm"}, "sandboxes.backend: unknown backend 'docker-swarm'"),
+    ],
+)
+def test_a_bad_config_names_the_key(tmp_path, change, message):
+    with pytest.raises(ConfigError) as raised:
+        load_run_config(write(tmp_path, **change))
+    assert message in str(raised.value)
+
+
+def test_impossible_device_splits_fail_before_any_device_work(tmp_path):
+    config = load_run_config(write(tmp_path))
+    with pytest.raises(ConfigError, match=r"trainer 4 \+ sampler 4 = 8 devices, but the process sees 6"):
+        config.check_devices(6)
+    with pytest.raises(ConfigError, match="trainer.plan: plan .* needs 8 devices, devices.trainer is 4"):
+        config.check_devices(8, plan_devices=8)
+
+
+def test_the_cli_answers_bad_input_with_one_line_and_status_2(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+    bad = write(tmp_path, run__stepz=3)
+    assert main(["train", "--config", str(bad), "--run-dir", str(tmp_path / "r")]) == 2
+    assert main(["train", "--resume", str(tmp_path / "not-a-run")]) == 2
+    assert main(["plan", "--config", str(tmp_path / "missing.yaml")]) == 2  # was a traceback
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 4, lines
+    assert lines[0].startswith("t1jax train: error:") and "missing.yaml does not exist" in lines[0]
+    assert "run.stepz: unknown key" in lines[1]
+    assert "is not a run directory" in lines[2]
+    assert lines[3].startswith("t1jax plan: error:")
+    assert not (tmp_path / "r").exists()  # nothing was created for a config that cannot run
+
+
+def test_the_pool_shuffles_every_epoch_and_resumes_at_its_cursor():
+    tasks = load_dataset(TASKS).tasks
+    pool = TaskPool(tasks, seed=7)
+    n = len(pool)
+    draws = pool.draw(3 * n)
+    epochs = [[d.task.task_id for d in draws[e * n : (e + 1) * n]] for e in range(3)]
+    for epoch in epochs:
+        assert Counter(epoch) == Counter(t.task_id for t in tasks)  # each task once per epoch
+    assert len({tuple(e) for e in epochs}) > 1  # reshuffled, not one order repeated
+    assert [d.epoch for d in draws] == [i // n for i in range(3 * n)]
+    state = TaskPool(tasks, seed=7)
+    state.draw(4)
+    resumed = TaskPool(list(reversed(tasks)), seed=7)  # the directory walked in another order
+    resumed.restore(state.state())
+    assert [d.task.task_id for d in resumed.draw(n)] == [d.task.task_id for d in draws[4 : 4 + n]]
+    with pytest.raises(ValueError, match="the task directory changed"):
+        TaskPool(tasks[:-1], seed=7).restore(state.state())
+    assert [d.task.task_id for d in TaskPool(tasks, seed=8).draw(n)] != epochs[0]

@@ -1,0 +1,302 @@
+"""`t1jax train` end to end on the tiny model, real tasks and real bubblewrap sandboxes: three
+one-step-ahead steps (staleness 0, 1, 1), everything a run directory promises, SIGKILL during
+step 2 then --resume (the same draws trained at the same steps as an uninterrupted run), a
+flaky sandbox provider (failures counted, nothing leaked), a publication skipped on purpose
+(the staleness assertion ends the run), and a hung sampler named by its probe."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sandbox_service.backends import register_backend
+from sandbox_service.backends.local import LocalBackend
+from t1jax.controller.cli import train
+from t1jax.controller.config import run_config_from_dict
+from t1jax.controller.liveness import ComponentUnresponsive
+from t1jax.controller.loop import Controller
+from t1jax.controller.rundir import RunDir, read_metrics
+from t1jax.eval.checkpoint import resolve_checkpoint
+from t1jax.rl.learner import StalenessError
+
+pytestmark = pytest.mark.sandbox
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, LAUNCH, ADMIT = 3, 4, 3
+
+
+def run_config(tmp_path: Path, **overrides) -> dict:
+    """The tiny run, sized for the test suite: 2 trainer + 1 sampler devices, 4 trials launched
+    and 3 admitted per step, 2-turn trials, one row bucket (one compiled program per role)."""
+    raw = {
+        "run": {"name": "test", "seed": 0, "steps": STEPS},
+        "model": {"preset": str(REPO / "configs" / "tiny_cpu.yaml")},
+        "devices": {"trainer": 2, "sampler": 1},
+        "trainer": {"mesh": {"fsdp": 2}},
+        "sampler": {"max_batch": LAUNCH, "max_context": 2048, "mesh": {"tensor": 1}},
+        "sandboxes": {
+            "max_live": LAUNCH,
+            "create_rate_per_sec": None,
+            "cache_dir": str(tmp_path / "sandbox-cache"),
+            "toolchain_dir": str(toolchain()),
+        },
+        "tasks": {"directory": str(REPO / "tests" / "data" / "tasks")},
+        "harness": {
+            "max_turns": 2,
+            "max_tokens_per_turn": 24,
+            "min_turn_tokens": 16,
+            "observation_reserve_tokens": 64,
+            "context_window": 2048,
+            "compaction": False,
+            "summary_max_tokens": 64,
+            "max_output_bytes": 2000,
+        },  # fmt: skip
+        "schedule": {"batch_size": ADMIT, "launch_size": LAUNCH},
+        "rl": {
+            "actor_optimizer": {"learning_rate": 1.0e-3},
+            "critic_optimizer": {"learning_rate": 3.0e-3},
+            "batching": {"row_length_buckets": [2048], "rows_per_micro_batch": 2, "pack": False},
+        },
+        "checkpoint": {"weights_every": STEPS, "state_every": 1},
+        "logging": {"display": False},
+    }
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".", 1)
+        raw.setdefault(section, {})[key] = value
+    return raw
+
+
+def toolchain() -> Path:
+    from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR, setup_toolchain
+
+    return setup_toolchain(REPO / DEFAULT_TOOLCHAIN_DIR, quiet=True).directory
+
+
+def launches_by_step(run_dir: Path) -> dict[int, dict]:
+    """The last launch record of each step (a resumed run supersedes what the dead one wrote)."""
+    records = {}
+    for line in (run_dir / "launches.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        records[record["step"]] = record
+    return records
+
+
+def live_sandboxes(tmp_path: Path) -> list[str]:
+    backend = LocalBackend(cache_dir=tmp_path / "sandbox-cache", toolchain_dir=toolchain())
+    try:
+        return backend.live_sandboxes()
+    finally:
+        backend.close()
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """An uninterrupted run of the test config (the other tests compare against it)."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    raw = run_config(tmp_path)
+    run_dir = RunDir(tmp_path / "run")
+    config = run_config_from_dict(raw)
+    run_dir.create(config.resolved())
+    assert train(config, run_dir, resume=False, base_dir=tmp_path) == 0
+    return tmp_path, run_dir.path
+
+
+def test_three_steps_one_ahead_and_everything_a_run_directory_promises(reference_run):
+    tmp_path, run = reference_run
+    rows = read_metrics(run)
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    # One-step asynchrony: the first batch comes from the version the learner holds, later ones
+    # from the version one update behind, and every sample of a batch from one version.
+    assert [row["rl/staleness"] for row in rows] == [0, 1, 1]
+    assert [row["rl/batch_policy_version"] for row in rows] == [0, 0, 1]
+    assert [row["publish/version"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        for key in (
+            "reward/mean", "reward/resolved_rate", "critic/explained_variance", "actor/logprob_gap",
+            "actor/start_version_skew", "actor/start_logprob_gap_current", "tito/drift_in_loss_region",
+            "rollout/tito/retokenized_history_loss_fraction", "rollout/turns_mean",
+            "rollout/stream_tokens_mean", "actor/clip_fraction", "critic/value_loss", "actor/policy_loss",
+            "actor/grad_norm", "critic/grad_norm", "tail/bias_category", "tail/cancelled",
+            "time/rollout_sec", "time/train_sec", "time/publish_sec", "time/idle_sec", "publish/bytes",
+        ):  # fmt: skip
+            assert key in row, key
+        assert row["tito/drift_in_loss_region"] == 0 and row["publish/bytes"] > 0
+        assert row["tail/launched"] == LAUNCH and row["tail/admitted"] == ADMIT
+    assert rows[1]["actor/start_version_skew"] > 0  # term (a) of Eq. 24: one real update behind
+    assert rows[0]["actor/start_version_skew"] == pytest.approx(0.0, abs=1e-6)
+
+    # The pool: step t trains draws [(t-1) L, t L), each draw accounted for exactly once, and the
+    # oversampling accounting matches the trials' own records.
+    launches = launches_by_step(run)
+    for step, record in launches.items():
+        assert record["draws"] == list(range((step - 1) * LAUNCH, step * LAUNCH))
+        fates = record["admitted"] + record["dropped"] + record["cancelled"] + record["failed"]
+        assert sorted(fates) == record["draws"] and len(record["admitted"]) == ADMIT
+        import gzip
+
+        with gzip.open(run / "trajectories" / f"step_{step:06d}.jsonl.gz", "rt") as lines:
+            trials = [json.loads(line) for line in lines]
+        assert len(trials) == LAUNCH
+        assert sum(t["fate"] == "completed" for t in trials) >= ADMIT
+        row = rows[step - 1]
+        for category in {t["category"] for t in trials}:
+            launched = sum(t["category"] == category for t in trials)
+            assert (
+                sum(
+                    row[f"tail/category/{category}/{name}"]
+                    for name in ("admitted", "dropped", "cancelled", "failed")
+                )
+                == launched
+            )
+        admitted = [t for t in trials if t["trial_id"].endswith(tuple(f"-d{i}" for i in record["admitted"]))]
+        assert all(t["trajectory"]["segments"][0]["stream_ids"] for t in admitted)
+        assert row["reward/mean"] == pytest.approx(sum(t["reward"] for t in admitted) / ADMIT)
+
+    # Checkpoints: resumable states (orbax) and weights that `t1jax eval` loads.
+    assert sorted(p.name for p in (run / "checkpoints" / "state").iterdir()) == ["2", "3"]  # keep_states 2
+    actor = resolve_checkpoint(run)
+    assert actor == run / "checkpoints" / "weights" / "000003" / "actor"
+    assert (actor.parent / "critic" / "config.json").is_file()
+    assert list((run / "events").glob("events.out.tfevents.*"))
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    assert resolved["rl"]["ppo"]["clip_eps"] == 0.2 and resolved["liveness"]["probe_grace_sec"] == 600
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    assert not live_sandboxes(tmp_path)
+
+
+def test_sigkill_during_step_2_then_resume_trains_the_same_draws(reference_run, tmp_path):
+    _, reference = reference_run
+    raw = run_config(tmp_path)
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    run = tmp_path / "run"
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path.parent / "jax-cache")}
+    command = [sys.executable, "-m", "t1jax.cli", "train"]
+    process = subprocess.Popen(
+        [*command, "--config", str(config_path), "--run-dir", str(run)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    # Kill it once step 1 is fully recorded (metrics and state) and step 2 is under way.
+    while not (run / "checkpoints" / "state" / "1").is_dir() or not (run / "metrics.jsonl").exists():
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(1.0)
+    assert process.poll() is None, "the run finished before it could be killed"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert [row["step"] for row in read_metrics(run)] == [1]
+    resumed = subprocess.run(
+        [*command, "--resume", str(run)], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    rows = read_metrics(run)
+    assert [row["step"] for row in rows] == [1, 2, 3]  # each step once: nothing lost, nothing twice
+    assert rows[-1]["run/resumes"] == 1
+    assert [row["rl/staleness"] for row in rows] == [0, 0, 1]  # a resumed process starts like a fresh one
+    ours, theirs = launches_by_step(run), launches_by_step(reference)
+    for step in (1, 2, 3):  # the same draws trained at the same step, no draw skipped or repeated
+        assert ours[step]["draws"] == theirs[step]["draws"]
+        assert ours[step]["task_ids"] == theirs[step]["task_ids"]
+    trained = [i for step in (1, 2, 3) for i in ours[step]["admitted"]]
+    assert len(trained) == len(set(trained))
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    assert not live_sandboxes(tmp_path)  # what the killed process left was reaped
+
+
+def test_flaky_sandboxes_are_counted_and_a_skipped_publication_trips_the_staleness_check(tmp_path):
+    register_backend("flaky-local", "tests.fault_injection:FlakyLocalBackend")
+    raw = run_config(tmp_path, **{"sandboxes.backend": "flaky-local"})
+    raw["schedule"] = {"batch_size": 2, "launch_size": 6}
+    raw["sandboxes"]["max_live"] = 6
+    config = run_config_from_dict(raw)
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.create(config.resolved())
+    controller = Controller(config, run_dir, resume=False, base_dir=tmp_path)
+    controller.skip_publication_at = {1}  # the learner's version 1 never reaches the sampler
+    with pytest.raises(StalenessError, match="2 actor updates behind .* expected exactly 1"):
+        controller.run()
+    rows = read_metrics(run_dir.path)
+    assert [row["step"] for row in rows] == [1, 2]  # step 3's batch was refused before training
+    failures = sum(
+        row.get("rollout/failed_sandbox_create", 0) + row.get("rollout/failed_sandbox_error", 0)
+        for row in rows
+    )
+    assert failures > 0  # 20% of creates and calls failed, and training went on
+    status = json.loads((run_dir.path / "status.json").read_text())
+    assert status["state"] == "failed" and "StalenessError" in status["error"]
+    assert not live_sandboxes(tmp_path)
+
+
+def test_a_hung_sampler_is_named_by_its_probe(tmp_path, monkeypatch):
+    import t1jax.controller.build as build
+
+    raw = run_config(tmp_path)
+    raw["liveness"] = {"probe_grace_sec": 0, "probe_period_sec": 1, "probe_deadline_sec": 3}
+    config = run_config_from_dict(raw)
+    real_build_sampler = build.build_sampler
+    release = threading.Event()
+
+    def hung_sampler(*args, **kwargs):
+        engine = real_build_sampler(*args, **kwargs)
+        threading.Thread(target=engine._run_on_scheduler, args=(release.wait,), daemon=True).start()
+        return engine  # its scheduler thread never comes back: a stuck device call looks the same
+
+    monkeypatch.setattr(build, "build_sampler", hung_sampler)
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.create(config.resolved())
+    started = time.monotonic()
+    try:
+        with pytest.raises(
+            ComponentUnresponsive, match=r"^sampler is unresponsive: SamplerTimeout: sampler probe did not"
+        ):
+            Controller(config, run_dir, resume=False, base_dir=tmp_path).run()
+    finally:
+        release.set()
+    assert time.monotonic() - started < 120
+    status = json.loads((run_dir.path / "status.json").read_text())
+    assert status["state"] == "failed" and status["error"].startswith("ComponentUnresponsive: sampler")
+    assert not live_sandboxes(tmp_path)
+
+
+def test_the_training_curves_notebook_runs_on_this_run(reference_run, monkeypatch):
+    """notebooks/training_curves.ipynb, executed by a real kernel (nbclient) on the reference
+    run's directory, and the PNGs `make demo` saves from the same figures."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    _, run = reference_run
+    monkeypatch.setenv("T1JAX_RUN_DIR", str(run))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    notebook = nbformat.read(REPO / "notebooks" / "training_curves.ipynb", as_version=4)
+    nbclient.NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}
+    ).execute()
+    printed = "".join(
+        output.get("text", "")
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.get("outputs", [])
+    )
+    assert "3 steps" in printed and "reward/mean" in printed and "cancelled_tail" in printed
+
+    from t1jax.report.curves import save_figures
+
+    written = save_figures(run)
+    assert {p.name for p in written} >= {
+        "reward.png",
+        "explained_variance.png",
+        "logprob_gap.png",
+        "tito.png",
+    }
+    assert all(p.stat().st_size > 1000 for p in written)

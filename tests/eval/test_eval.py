@@ -1,0 +1,154 @@
+"""`t1jax eval`: pass@k against hand-computed values, the oracle and no-op agents on real tasks
+(100% and 0%), a model checkpoint through the JAX engine, Harbor's job layout, kill + resume
+reproducing the uninterrupted result, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from t1jax.cli import main
+from t1jax.eval.checkpoint import checkpoint_dtype, resolve_checkpoint
+from t1jax.eval.passk import mean_pass_at_k, pass_at_k
+from t1jax.model import Qwen35MoeForCausalLM, load_config, save_pretrained
+
+REPO = Path(__file__).resolve().parents[2]
+TASKS = REPO / "tests" / "data" / "tasks"
+N_TASKS = 5
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    # By hand: n = 3 attempts, c = 1 resolved: pass@1 = 1/3, pass@2 = 1 - C(2,2)/C(3,2) = 2/3, pass@3 = 1.
+    assert pass_at_k(3, 1, 1) == pytest.approx(1 / 3)
+    assert pass_at_k(3, 1, 2) == pytest.approx(2 / 3)
+    assert pass_at_k(3, 1, 3) == 1.0
+    # n = 5, c = 2: pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10.
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(4, 0, 2) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    # Averaged over tasks; a task with fewer attempts than k is left out of pass@k.
+    assert mean_pass_at_k([(3, 1), (3, 3), (3, 0)], 2) == pytest.approx((2 / 3 + 1 + 0) / 3)
+    assert mean_pass_at_k([(3, 1), (1, 1)], 2) == pytest.approx(2 / 3)
+    assert mean_pass_at_k([(1, 1)], 2) is None
+    with pytest.raises(ValueError):
+        pass_at_k(3, 4, 1)
+
+
+def run_eval(tmp_path, *args) -> dict:
+    out = tmp_path / "job"
+    assert main(["eval", "--tasks", str(TASKS), "--out", str(out), "--no-progress", *args]) == 0
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.mark.sandbox
+def test_oracle_resolves_every_task_and_nop_none(tmp_path):
+    oracle = run_eval(tmp_path / "oracle", "--agent", "oracle", "--attempts", "1", "--concurrency", "5")
+    assert oracle["n_total_trials"] == N_TASKS and oracle["n_errors"] == 0
+    assert oracle["resolved_rate"] == 1.0 and oracle["pass_at_k"] == {"1": 1.0}
+    assert all(group["resolved_rate"] == 1.0 for group in oracle["by_category"].values())
+    nop = run_eval(tmp_path / "nop", "--agent", "nop", "--attempts", "2", "--concurrency", "5")
+    assert nop["n_total_trials"] == 2 * N_TASKS and nop["n_errors"] == 0
+    assert nop["resolved_rate"] == 0.0 and nop["pass_at_k"] == {"1": 0.0, "2": 0.0}
+    # Harbor's layout: per trial, a result, the trajectory (ids and text) and the verifier's files.
+    trial = tmp_path / "oracle" / "job" / "t1jax-hello-world__attempt-1"
+    result = json.loads((trial / "result.json").read_text())
+    assert result["resolved"] and result["tests_passed"] == result["tests_total"] > 0
+    trajectory = json.loads((trial / "agent" / "trajectory.json").read_text())
+    segment = trajectory["segments"][0]
+    assert segment["stream_ids"] and "hello" in segment["stream_text"].lower()
+    assert all(turn["completion_ids"] and turn["completion_text"] for turn in segment["turns"])
+    assert (trial / "verifier" / "reward.txt").read_text().strip() == "1"
+    ctrf = json.loads((trial / "verifier" / "ctrf.json").read_text())
+    assert {t["status"] for t in ctrf["results"]["tests"]} == {"passed"}
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random tiny Qwen3.5-MoE written as an HF directory in bfloat16."""
+    config = load_config(REPO / "configs" / "tiny_cpu.yaml")
+    model = Qwen35MoeForCausalLM(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(2))
+    directory = tmp_path_factory.mktemp("ckpt") / "tiny"
+    save_pretrained(model, directory)
+    return directory
+
+
+@pytest.mark.sandbox
+def test_a_model_checkpoint_is_evaluated_through_the_engine(tmp_path, tiny_checkpoint):
+    assert resolve_checkpoint(tiny_checkpoint) == tiny_checkpoint
+    assert checkpoint_dtype(tiny_checkpoint) == jnp.bfloat16  # loaded as stored, as transformers does
+    result = run_eval(
+        tmp_path,
+        "--checkpoint", str(tiny_checkpoint), "--attempts", "2", "--max-turns", "1",
+        "--max-tokens-per-turn", "16", "--context-window", "2048", "--concurrency", "4",
+    )  # fmt: skip
+    # A random policy resolves nothing, but every trial ran: no errors, nothing skipped.
+    assert result["n_total_trials"] == 2 * N_TASKS and result["n_errors"] == 0 and not result["skipped"]
+    assert result["resolved_rate"] == 0.0
+    trial = json.loads((tmp_path / "job" / "hello-world__attempt-1" / "result.json").read_text())
+    assert trial["status"] == "max_turns" and trial["policy_version"] == 0
+
+
+@pytest.mark.sandbox
+def test_a_killed_eval_resumes_to_the_same_result(tmp_path):
+    """SIGKILL the evaluator after a few trials, re-run the same command: it runs only the missing
+    trials, reaps what the killed process left, and writes exactly the uninterrupted result."""
+    args = ["--tasks", str(TASKS), "--agent", "oracle", "--attempts", "3", "--concurrency", "2"]
+    args.append("--no-progress")
+    reference = run_eval(tmp_path / "reference", *args[2:])
+    job = tmp_path / "job"
+    command = [sys.executable, "-m", "t1jax.cli", "eval", *args, "--out", str(job)]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(list(job.glob("*/result.json"))) < 4:
+        assert process.poll() is None, "the evaluator ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    finished_before = {p.parent.name for p in job.glob("*/result.json")}
+    assert 4 <= len(finished_before) < 3 * N_TASKS and not (job / "result.json").exists()
+    resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=os.environ)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((job / "result.json").read_text()) == reference
+    assert json.loads((job / "timing.json").read_text())["trials_run"] == 3 * N_TASKS - len(finished_before)
+
+
+def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys):
+    assert main(["eval", "--tasks", str(tmp_path / "missing"), "--agent", "nop"]) == 2
+    assert main(["eval", "--tasks", str(TASKS)]) == 2  # the model agent without a checkpoint
+    assert main(["eval", "--tasks", str(TASKS), "--checkpoint", str(tmp_path / "nowhere")]) == 2
+    assert main(["eval", "--tasks", str(TASKS), "--agent", "nop", "--top-p", "0"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 4 and all(line.startswith("t1jax eval: error: ") for line in errors), errors
+    assert "not a directory" in errors[0] and "--checkpoint" in errors[1] and "does not exist" in errors[2]
+    # A job directory started with other settings is refused, not mixed.
+    run_eval(tmp_path / "a", "--agent", "nop", "--attempts", "1")
+    assert main(["eval", "--tasks", str(TASKS), "--agent", "nop", "--attempts", "2", "--out",
+                 str(tmp_path / "a" / "job"), "--no-progress"]) == 2  # fmt: skip
+    assert "holds a job with other settings (attempts differ)" in capsys.readouterr().err
+
+
+def test_intervals_resample_tasks_and_a_paired_difference_excludes_zero_only_when_it_should():
+    from t1jax.eval.passk import bootstrap_interval, paired_difference
+
+    assert bootstrap_interval([[1, 1], [1, 1]]) == (1.0, 1.0)
+    low, high = bootstrap_interval([[1, 0, 1], [0, 0, 0], [1, 1, 1], [0, 1, 0]])
+    assert low < 0.5 < high  # the mean over tasks is 0.5
+    assert bootstrap_interval([]) is None
+    better = {f"t{i}": [1.0, 1.0] for i in range(12)}
+    worse = {f"t{i}": [0.0, 0.0] if i < 10 else [1.0, 1.0] for i in range(12)}
+    mean, low, high = paired_difference(better, worse)
+    assert mean == pytest.approx(10 / 12) and low > 0
+    mean, low, high = paired_difference(better, better)
+    assert (mean, low, high) == (0.0, 0.0, 0.0)
+    noisy = {f"t{i}": [float(i % 2)] for i in range(12)}
+    shifted = {f"t{i}": [float((i + 1) % 2)] for i in range(12)}
+    assert paired_difference(noisy, shifted)[1] < 0 < paired_difference(noisy, shifted)[2]
