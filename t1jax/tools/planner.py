@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         device_text = "/".join(str(d) for d in sorted(devices))
     else:
         if not args.devices:
-            raise SystemExit("t1jax plan: give --devices (or --plan)")
+            raise ValueError("give --devices (or --plan)")
         pipelines = [int(p) for p in args.pipeline.split(",") if p]
         plans = capacity.candidate_plans(args.devices, pipelines=pipelines, remat=args.remat)
         device_text = str(args.devices)
@@ -273,8 +273,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     import jax
 
     if jax.default_backend() == "cpu" and len(jax.devices()) < 8:
-        raise SystemExit(
-            "t1jax plan --calibrate compiles 2- and 4-device plans: run it with 8 CPU devices, e.g. "
+        raise ValueError(
+            "--calibrate compiles 2- and 4-device plans: run it with 8 CPU devices, e.g. "
             "XLA_FLAGS=--xla_force_host_platform_device_count=8 t1jax plan --calibrate ..."
         )
     from t1jax.tools.lowering import calibrate, validate

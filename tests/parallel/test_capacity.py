@@ -199,3 +199,8 @@ def test_plan_command_evaluates_named_plans(capsys):
     assert "cp4" in feasible  # the paper's plan fits in our sharding
     assert code == 0
     assert int(feasible.split()[0]) + int(infeasible.split()[0]) == 2
+
+
+def test_plan_command_names_bad_input(capsys):
+    assert main(["plan", "--config", str(BIG)]) == 2
+    assert "give --devices" in capsys.readouterr().err
