@@ -1,12 +1,14 @@
-"""Whole-model context parallelism: per-device memory of the actor train step against context
-degree 1, measured by XLA and predicted by the capacity model, on the 8-device CPU mesh.
+"""Whole-model context parallelism: per-device memory of the learner's actor gradient program
+against context degree 1, measured by XLA and predicted by the capacity model, on the 8-device
+CPU mesh.
 
 Two models at one fixed token wall: the tiny config (3 Gated DeltaNet + 1 attention layer), and the
 same width with recurrent layers only and a small vocabulary, where the recurrent operator's
 activations dominate. For context degrees 1, 2, 4, 8: XLA's per-device bytes of the compiled step
-(``capacity.measure``: arguments + temporaries + non-aliased outputs; compiled, never run), the
-ratio to degree 1, the share that is activations (total minus parameters, gradients and optimizer
-state, which context parallelism does not divide), its ratio, and the capacity model's prediction.
+(``t1jax.tools.lowering.measure``: arguments + temporaries + non-aliased outputs; compiled, never run), the
+ratio to degree 1, the share that is activations (total minus parameters and gradients, which
+context parallelism does not divide), its ratio, and the capacity model's prediction of the same
+program (``capacity.program_estimate``).
 
 Run: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python bench/cp_model.py``
 """
@@ -25,6 +27,7 @@ from t1jax.model import load_config  # noqa: E402
 from t1jax.model.config import LINEAR_ATTENTION  # noqa: E402
 from t1jax.parallel import capacity  # noqa: E402
 from t1jax.parallel.plan import ShardingPlan  # noqa: E402
+from t1jax.tools.lowering import measure  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +47,10 @@ def main():
     calibration = capacity.default_calibration()
     assumptions = capacity.cpu_assumptions()
     degrees = [int(d) for d in args.degrees.split(",")]
-    print(f"token wall {args.tokens}, one sequence, float32, layer remat, calibration {calibration.backend}")
+    print(
+        f"token wall {args.tokens}, one sequence, float32, layer remat, blockwise attention, "
+        f"calibration {calibration.backend}"
+    )
     for label, config in models.items():
         print(f"\n{label}")
         print(
@@ -55,20 +61,19 @@ def main():
         for degree in degrees:
             plan = ShardingPlan(context=degree)
             start = time.perf_counter()
-            measured = capacity.measure(config, plan, args.tokens, assumptions)
+            measured = measure(config, plan, args.tokens, assumptions, "actor")
             seconds = time.perf_counter() - start
-            predicted = capacity.estimate(
-                config, plan, args.tokens, assumptions=assumptions, calibration=calibration
-            )
-            fixed = sum(predicted.terms[name] for name in ("weights", "gradients", "optimizer"))
+            predicted = capacity.program_estimate(config, plan, args.tokens, assumptions, calibration)
+            terms = capacity.program_terms(config, plan, args.tokens, assumptions)
+            fixed = terms["weights"] + terms["gradients"]
             activations = measured - fixed
             if base_total is None:
                 base_total, base_activations = measured, activations
             print(
                 f"{degree:>7} {measured / 2**20:>9.1f} {measured / base_total:>6.3f} "
                 f"{activations / 2**20:>10.1f} {activations / base_activations:>6.3f} "
-                f"{predicted.total / 2**20:>10.1f} "
-                f"{predicted.total / measured - 1:>+9.1%} {seconds:>9.1f}"
+                f"{predicted / 2**20:>10.1f} "
+                f"{predicted / measured - 1:>+9.1%} {seconds:>9.1f}"
             )
 
 

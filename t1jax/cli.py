@@ -4,7 +4,7 @@ Each subcommand lives in its own module and contributes ``add_arguments(parser)`
 ``run(args) -> exit code``; register it in ``SUBCOMMANDS`` (imports are lazy so that ``t1jax plan``
 does not pay for the trainer's imports and vice versa).
 
-- ``t1jax plan``: rank sharding plans by per-device memory (``t1jax.parallel.planner``).
+- ``t1jax plan``: rank sharding plans by per-device memory (``t1jax.tools.planner``).
 - ``t1jax eval``: evaluate a checkpoint (or the oracle / no-op agent) on a task directory
   (``t1jax.eval.cli``).
 - ``t1jax train``: run or resume an RL run (``t1jax.controller.cli``).
@@ -25,7 +25,7 @@ import traceback
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("t1jax.parallel.planner", "rank sharding plans by the per-device memory model (paper Eq. 21)"),
+    "plan": ("t1jax.tools.planner", "rank sharding plans by the per-device memory model (paper Eq. 21)"),
     "eval": ("t1jax.eval.cli", "evaluate a checkpoint, the oracle or the no-op agent on a task directory"),
     "train": ("t1jax.controller.cli", "run or resume an RL run from a run config (the single controller)"),
     "demo": ("t1jax.demo.cli", "base -> SFT -> critic warm-up -> RL -> held-out evaluation in one directory"),

@@ -17,6 +17,7 @@ from t1jax.model.cache import (
 )
 from t1jax.model.config import Qwen35MoeConfig, RopeParameters, load_config
 from t1jax.model.critic import Qwen35MoeCritic
+from t1jax.model.execution import ExecutionConfig, load_execution, with_execution
 from t1jax.model.hf_io import (
     check_checkpoint,
     critic_from_pretrained,
@@ -31,6 +32,8 @@ from t1jax.model.transformer import (
     CausalLMOutput,
     Qwen35MoeForCausalLM,
     Qwen35MoeModel,
+    TargetLogprobs,
+    layer_period,
     positions_within_documents,
 )
 
@@ -40,18 +43,22 @@ __all__ = [
     "BackboneOutput",
     "CausalLMOutput",
     "DecodeCache",
+    "ExecutionConfig",
     "LinearLayerCache",
     "Qwen35MoeConfig",
     "Qwen35MoeCritic",
     "Qwen35MoeForCausalLM",
     "Qwen35MoeModel",
     "RopeParameters",
+    "TargetLogprobs",
     "abstract_params",
     "check_checkpoint",
     "critic_from_pretrained",
     "from_pretrained",
     "init_cache",
+    "layer_period",
     "load_config",
+    "load_execution",
     "positions_within_documents",
     "put_rows",
     "read_checkpoint_index",
@@ -60,4 +67,5 @@ __all__ = [
     "save_pretrained",
     "take_rows",
     "validate_routing_replay",
+    "with_execution",
 ]

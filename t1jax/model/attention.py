@@ -1,7 +1,9 @@
 """Gated full attention of Qwen3.5 (the layers whose `layer_types` entry is "full_attention").
 
-Owns: partial rotary embeddings, the packed-sequence attention mask, the attention core (a pure
-function a context-parallel variant can replace), the one-token decode attention over a cache
+Owns: partial rotary embeddings, the packed-sequence attention mask, the dense attention core
+(`attend`, the reference), the choice of core by `ExecutionConfig.attention` (`attention_core`:
+dense, blockwise `t1jax.ops.flash_attention`, or Pallas splash on TPU; a context-parallel variant
+replaces it through the forward hooks), the one-token decode attention over a cache
 (`decode_attention`), and the `GatedAttention` module with its full forward and its cached forms
 (`extend` for chunked prefill, `decode` for one token per row).
 
@@ -29,11 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from t1jax.model.config import Qwen35MoeConfig
-from t1jax.model.hooks import active_hooks
-from t1jax.model.norms import RMSNorm
-from t1jax.model.params import make_param, normal
-from t1jax.parallel.rules import (
+from t1jax.model.axes import (
     ACT_BATCH,
     ACT_HEADS,
     ACT_LENGTH,
@@ -43,6 +41,12 @@ from t1jax.parallel.rules import (
     Q_HEADS,
     constrain,
 )
+from t1jax.model.config import Qwen35MoeConfig
+from t1jax.model.execution import DEFAULT_EXECUTION, ExecutionConfig
+from t1jax.model.hooks import active_hooks
+from t1jax.model.norms import RMSNorm
+from t1jax.model.params import make_param, normal
+from t1jax.ops.flash_attention import blockwise_attention
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 DECODE_KV_CHUNK = 256  # cache slots per step of the decode attention's loop
@@ -94,6 +98,36 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array) 
     probs = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, value)
     return out.reshape(batch, q_len, num_heads, head_dim)
+
+
+def attention_core(
+    query: jax.Array, key: jax.Array, value: jax.Array, segment_ids: jax.Array, execution: ExecutionConfig
+) -> jax.Array:
+    """`attend(query, key, value, packed_causal_mask(segment_ids))` by the kernel
+    `execution.attention` names (rows that may read no key, i.e. padding, are unspecified)."""
+    if execution.attention == "dense":
+        return attend(query, key, value, packed_causal_mask(segment_ids))
+    if execution.attention == "splash":
+        from t1jax.ops.splash_attention import splash_attention
+
+        return splash_attention(
+            query,
+            key,
+            value,
+            segment_ids,
+            block_q=execution.attention_block_q,
+            block_k=execution.attention_block_k,
+            interpret=execution.pallas_interpret,
+        )
+    return blockwise_attention(
+        query,
+        key,
+        value,
+        q_segment_ids=segment_ids,
+        kv_segment_ids=segment_ids,
+        block_q=execution.attention_block_q,
+        block_k=execution.attention_block_k,
+    )
 
 
 def decode_attention(
@@ -159,9 +193,18 @@ def decode_attention(
 
 
 class GatedAttention(nnx.Module):
-    def __init__(self, config: Qwen35MoeConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: Qwen35MoeConfig,
+        *,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+        execution: ExecutionConfig = DEFAULT_EXECUTION,
+    ):
         self.config = config
         self.dtype = dtype
+        self.execution = execution
         hidden, heads, kv_heads, head_dim = (
             config.hidden_size,
             config.num_attention_heads,
@@ -209,10 +252,11 @@ class GatedAttention(nnx.Module):
         """Full forward over packed rows. x [B, T, hidden]; positions, segment_ids int32 [B, T]."""
         query, gate, key, value = self._project(x, positions)
         attention = active_hooks().attention
-        if attention is None:
-            attn = attend(query, key, value, packed_causal_mask(segment_ids))
-        else:
-            attn = attention(query, key, value, segment_ids)
+        with jax.named_scope("core"):
+            if attention is None:
+                attn = attention_core(query, key, value, segment_ids, self.execution)
+            else:
+                attn = attention(query, key, value, segment_ids, execution=self.execution)
         return self._output(attn, gate)
 
     def extend(
@@ -241,9 +285,24 @@ class GatedAttention(nnx.Module):
         rows = jnp.broadcast_to(jnp.arange(batch)[:, None], write_at.shape)
         key_cache = key_cache.at[rows, write_at].set(key.astype(key_cache.dtype), mode="drop")
         value_cache = value_cache.at[rows, write_at].set(value.astype(value_cache.dtype), mode="drop")
-        slots = jnp.arange(max_len, dtype=jnp.int32)
-        mask = slots[None, None, :] <= positions[:, :, None]
-        attn = attend(query, key_cache.astype(self.dtype), value_cache.astype(self.dtype), mask)
+        keys, values = key_cache.astype(self.dtype), value_cache.astype(self.dtype)
+        if self.execution.attention == "dense":
+            slots = jnp.arange(max_len, dtype=jnp.int32)
+            mask = slots[None, None, :] <= positions[:, :, None]
+            attn = attend(query, keys, values, mask)
+        else:
+            # Prefill: blockwise over the cache, reading only the key blocks up to each query
+            # block's last position (the cost follows the cached length, not max_len).
+            attn = blockwise_attention(
+                query,
+                keys,
+                values,
+                q_segment_ids=jnp.ones((batch, new_len), jnp.int32),
+                kv_segment_ids=jnp.ones((batch, max_len), jnp.int32),
+                q_index=positions,
+                block_q=self.execution.attention_block_q,
+                block_k=self.execution.attention_block_k,
+            )
         return self._output(attn, gate), key_cache, value_cache
 
     def decode(

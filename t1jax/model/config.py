@@ -247,7 +247,8 @@ def _rope_from_mapping(values: Mapping[str, Any]) -> RopeParameters:
 def load_config(path: str | Path) -> Qwen35MoeConfig:
     """Load a config from a checkpoint directory, a HF `config.json`, or a YAML preset.
 
-    A YAML preset may hold the fields at the top level or under a `model:` key."""
+    A YAML preset may hold the fields at the top level or under a `model:` key (its `execution:`
+    section is read by `t1jax.model.execution.load_execution`)."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -262,6 +263,8 @@ def load_config(path: str | Path) -> Qwen35MoeConfig:
             raise ValueError(f"{path}: expected a mapping of config fields, got {type(preset).__name__}")
         if "model" in preset and isinstance(preset["model"], Mapping):
             preset = preset["model"]
+        else:  # fields at the top level; `execution:` is not architecture (t1jax.model.execution)
+            preset = {k: v for k, v in preset.items() if k != "execution"}
         return Qwen35MoeConfig.from_yaml_dict(preset, source=str(path))
     with path.open() as f:
         return Qwen35MoeConfig.from_hf_dict(json.load(f))

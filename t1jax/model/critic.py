@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from t1jax.model.axes import EMBED
 from t1jax.model.config import Qwen35MoeConfig
+from t1jax.model.execution import DEFAULT_EXECUTION, ExecutionConfig
 from t1jax.model.params import abstract_params, make_param, normal, zeros
 from t1jax.model.transformer import BackboneOutput, Qwen35MoeForCausalLM, Qwen35MoeModel
-from t1jax.parallel.rules import EMBED
 
 
 class ValueHead(nnx.Module):
@@ -36,13 +37,22 @@ class ValueHead(nnx.Module):
 
 class Qwen35MoeCritic(nnx.Module):
     def __init__(
-        self, config: Qwen35MoeConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs | None = None
+        self,
+        config: Qwen35MoeConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=None,
+        rngs: nnx.Rngs | None = None,
+        execution: ExecutionConfig = DEFAULT_EXECUTION,
     ):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         param_dtype = dtype if param_dtype is None else param_dtype
         self.config = config
         self.dtype = dtype
-        self.model = Qwen35MoeModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.execution = execution
+        self.model = Qwen35MoeModel(
+            config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution
+        )
         self.value_head = ValueHead(
             config.hidden_size, initializer_range=config.initializer_range, param_dtype=param_dtype, rngs=rngs
         )
@@ -59,10 +69,11 @@ class Qwen35MoeCritic(nnx.Module):
 
     @classmethod
     def from_actor(cls, actor: Qwen35MoeForCausalLM, *, rngs: nnx.Rngs | None = None) -> Qwen35MoeCritic:
-        """A critic whose backbone is a copy of the actor's (same dtypes), with a fresh value head."""
+        """A critic whose backbone is a copy of the actor's (same dtypes and execution), with a
+        fresh value head."""
         param_dtype = actor.model.embed_tokens[...].dtype
         with abstract_params():  # the backbone is replaced below; never allocate a second one
-            critic = cls(actor.config, dtype=actor.dtype, param_dtype=param_dtype)
+            critic = cls(actor.config, dtype=actor.dtype, param_dtype=param_dtype, execution=actor.execution)
         rngs = nnx.Rngs(0) if rngs is None else rngs
         critic.model = nnx.clone(actor.model)
         critic.value_head = ValueHead(

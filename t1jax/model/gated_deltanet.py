@@ -31,13 +31,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from t1jax.model.axes import CONV_KERNEL, EMBED, HEAD_DIM, LINEAR_CONV, LINEAR_HEADS
 from t1jax.model.config import Qwen35MoeConfig
 from t1jax.model.hooks import active_hooks
 from t1jax.model.norms import GatedRMSNorm
 from t1jax.model.params import log_uniform_decay, make_param, normal, ones, uniform
 from t1jax.ops.causal_conv import causal_conv1d, causal_conv1d_step
 from t1jax.ops.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
-from t1jax.parallel.rules import CONV_KERNEL, EMBED, HEAD_DIM, LINEAR_CONV, LINEAR_HEADS
 
 _L2_EPS = 1e-6
 
@@ -124,9 +124,11 @@ class GatedDeltaNet(nnx.Module):
         conv = causal_conv1d if sequence_ops is None else sequence_ops.causal_conv1d
         rule = chunk_gated_delta_rule if sequence_ops is None else sequence_ops.chunk_gated_delta_rule
         qkv, z, beta, g = self._project(x)
-        conv_out, _ = conv(qkv, self._conv_weight(), segment_ids=segment_ids)
+        with jax.named_scope("conv"):
+            conv_out, _ = conv(qkv, self._conv_weight(), segment_ids=segment_ids)
         q, k, v = self._split_heads(conv_out)
-        core, _ = rule(q, k, v, g, beta, segment_ids=segment_ids)
+        with jax.named_scope("delta_rule"):
+            core, _ = rule(q, k, v, g, beta, segment_ids=segment_ids)
         out = self._output(core, z)
         return out if sequence_ops is None else sequence_ops.leave(out)
 

@@ -41,9 +41,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from t1jax.model.axes import LogicalRules, resolve_spec, rules_in_scope
+from t1jax.model.axes import logical_axes as variable_logical_axes
 from t1jax.model.config import FULL_ATTENTION, Qwen35MoeConfig, load_config
-from t1jax.parallel.rules import DEFAULT_RULES, LogicalRules, resolve_spec
-from t1jax.parallel.rules import logical_axes as variable_logical_axes
+from t1jax.model.execution import DEFAULT_EXECUTION, ExecutionConfig
 
 # ---- safetensors -----------------------------------------------------------------------------------
 _DTYPES: dict[str, np.dtype] = {
@@ -489,12 +490,13 @@ def load_state(
     links: list[Link],
     *,
     mesh: Mesh | None = None,
-    rules: LogicalRules = DEFAULT_RULES,
+    rules: LogicalRules | None = None,
     missing_ok: Iterable[Path_] = (),
 ) -> nnx.State:
     """Fill an abstract state with checkpoint values (placed by each parameter's logical axes when
     a mesh is given, else on the first device). Parameters in `missing_ok` whose tensors are absent
     keep the values of `abstract_state` (which must then be concrete there)."""
+    rules = _placement_rules(mesh, rules)
     flat = dict(nnx.to_flat_state(abstract_state))
     missing_ok = set(missing_ok)
     device = SingleDeviceSharding(jax.devices()[0])
@@ -517,6 +519,20 @@ def load_state(
     return nnx.from_flat_state(list(flat.items()))
 
 
+def _placement_rules(mesh: Mesh | None, rules: LogicalRules | None) -> LogicalRules | None:
+    """The rules that place parameters on `mesh`: the given ones, else those in scope
+    (`nnx.logical_axis_rules`). The model knows names, not rules: a mesh needs one or the other."""
+    if mesh is None or rules is not None:
+        return rules
+    rules = rules_in_scope()
+    if not rules:
+        raise ValueError(
+            "placing parameters on a mesh needs logical rules: pass rules= (e.g. "
+            "t1jax.parallel.rules.DEFAULT_RULES) or load inside nnx.logical_axis_rules(...)"
+        )
+    return rules
+
+
 def _abstract(build: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]:
     from t1jax.model.params import abstract_params
 
@@ -530,16 +546,21 @@ def from_pretrained(
     dtype=jnp.bfloat16,
     param_dtype=None,
     mesh: Mesh | None = None,
-    rules: LogicalRules = DEFAULT_RULES,
+    rules: LogicalRules | None = None,
+    execution: ExecutionConfig = DEFAULT_EXECUTION,
 ):
     """Load a HF Qwen3.5-MoE checkpoint directory (`config.json` + safetensors) as a
     `Qwen35MoeForCausalLM` computing in `dtype` with parameters stored in `param_dtype`
-    (default `dtype`). With `mesh`, parameters are placed sharded by `rules`."""
+    (default `dtype`). With `mesh`, parameters are placed sharded by `rules` (default: the
+    rules in scope, `nnx.logical_axis_rules`). `execution` picks kernels and layer structure
+    (`t1jax.model.execution`; a checkpoint carries none)."""
     from t1jax.model.transformer import Qwen35MoeForCausalLM
 
     config = load_config(path)
     graphdef, abstract_state = _abstract(
-        lambda: Qwen35MoeForCausalLM(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+        lambda: Qwen35MoeForCausalLM(
+            config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), execution=execution
+        )
     )
     index = read_checkpoint_index(path)
     links = check_checkpoint(
@@ -554,8 +575,9 @@ def critic_from_pretrained(
     dtype=jnp.bfloat16,
     param_dtype=None,
     mesh: Mesh | None = None,
-    rules: LogicalRules = DEFAULT_RULES,
+    rules: LogicalRules | None = None,
     seed: int = 0,
+    execution: ExecutionConfig = DEFAULT_EXECUTION,
 ):
     """Load a `Qwen35MoeCritic` from an actor checkpoint (the backbone; the value head is freshly
     initialised from `seed`, paper §4.5) or from a critic saved by `save_pretrained` (value head
@@ -564,7 +586,9 @@ def critic_from_pretrained(
 
     config = load_config(path)
     graphdef, abstract_state = _abstract(
-        lambda: Qwen35MoeCritic(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed))
+        lambda: Qwen35MoeCritic(
+            config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), execution=execution
+        )
     )
     index = read_checkpoint_index(path)
     value_names = {"value_head.weight", "value_head.bias"}
@@ -576,6 +600,7 @@ def critic_from_pretrained(
         optional_names=value_names,
         ignorable_names={"lm_head.weight"},
     )
+    rules = _placement_rules(mesh, rules)
     has_value_head = value_names <= set(index.tensors)
     if not has_value_head:
         resolved_param_dtype = dtype if param_dtype is None else param_dtype

@@ -6,9 +6,10 @@ default in the model and may be replaced while tracing:
 
 - ``routed_experts(x, expert_ids, gate_weights, w_gate, w_up, w_down) -> [N, H]``: same contract
   as ``t1jax.model.moe.routed_experts`` (expert parallelism swaps in an all-to-all dispatch).
-- ``attention(query, key, value, segment_ids) -> attn``: same contract as
+- ``attention(query, key, value, segment_ids, *, execution) -> attn``: same contract as
   ``attend(query, key, value, packed_causal_mask(segment_ids))`` (context parallelism swaps in an
-  attention whose causal mask follows each token's original position).
+  attention whose causal mask follows each token's original position); ``execution`` is the
+  layer's ``ExecutionConfig`` (which kernel and blocks to use).
 - ``recurrent``: a ``RecurrentSequenceOps`` used by the Gated DeltaNet full forward: it moves the
   layer input into the layout the recurrence needs and back, and supplies the causal conv and the
   chunked delta rule (context parallelism: the zigzag -> contiguous relayout and the state relay).

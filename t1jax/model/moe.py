@@ -11,8 +11,9 @@ Owns two pure functions and the module that wires them:
   top-k, renormalise". The ids never carry gradient (top-k is not differentiable and replayed ids
   are data); the router weight gets its gradient through the gates only.
 - `routed_experts(x, expert_ids, gate_weights, w_gate, w_up, w_down)`: every token's k SwiGLU
-  experts as one grouped computation (sort assignments by expert, `lax.ragged_dot`, unsort,
-  weighted sum). An expert-parallel all-to-all dispatch can replace it behind the same signature.
+  experts as one grouped computation (sort assignments by expert, grouped matmuls
+  (`t1jax.ops.grouped_matmul`: `lax.ragged_dot`, or its tiled form on CPU), unsort, weighted
+  sum). An expert-parallel all-to-all dispatch can replace it behind the same signature.
 
 Parameter layout:
   gate (router) [hidden, experts]              (embed, router)      computed in float32
@@ -28,10 +29,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from t1jax.model.axes import EMBED, EXPERT, EXPERT_MLP, MLP, ROUTER
 from t1jax.model.config import Qwen35MoeConfig
 from t1jax.model.hooks import active_hooks
 from t1jax.model.params import make_param, normal
-from t1jax.parallel.rules import EMBED, EXPERT, EXPERT_MLP, MLP, ROUTER
+from t1jax.ops.grouped_matmul import grouped_matmul
 
 NO_RECORD = -1  # replay value for a token without a routing record: route it freely
 
@@ -75,10 +77,10 @@ def routed_experts(
     order = jnp.argsort(flat_ids, stable=True)
     sorted_tokens = jnp.take(x, order // top_k, axis=0)
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-    gate = jax.lax.ragged_dot(sorted_tokens, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(sorted_tokens, w_up, group_sizes)
+    gate = grouped_matmul(sorted_tokens, w_gate, group_sizes)
+    up = grouped_matmul(sorted_tokens, w_up, group_sizes)
     hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-    expert_out = jax.lax.ragged_dot(hidden, w_down, group_sizes)
+    expert_out = grouped_matmul(hidden, w_down, group_sizes)
     unsorted = jnp.take(expert_out, jnp.argsort(order), axis=0)
     unsorted = unsorted.reshape(num_tokens, top_k, -1).astype(jnp.float32)
     combined = jnp.einsum("nkh,nk->nh", unsorted, gate_weights.astype(jnp.float32))
@@ -132,14 +134,15 @@ class SparseMoeBlock(nnx.Module):
         expert_ids, gate_weights = route(router_logits, self.config.num_experts_per_tok, flat_replay)
         dtype = self.dtype
         dispatch = active_hooks().routed_experts or routed_experts
-        routed = dispatch(
-            tokens,
-            expert_ids,
-            gate_weights,
-            self.experts.w_gate[...].astype(dtype),
-            self.experts.w_up[...].astype(dtype),
-            self.experts.w_down[...].astype(dtype),
-        )
+        with jax.named_scope("routed_experts"):
+            routed = dispatch(
+                tokens,
+                expert_ids,
+                gate_weights,
+                self.experts.w_gate[...].astype(dtype),
+                self.experts.w_up[...].astype(dtype),
+                self.experts.w_down[...].astype(dtype),
+            )
         shared_gate = jax.nn.sigmoid(
             tokens.astype(jnp.float32) @ self.shared_expert_gate[...].astype(jnp.float32)
         )

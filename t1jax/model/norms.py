@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from t1jax.model.axes import NORM
 from t1jax.model.params import make_param, ones, zeros
-from t1jax.parallel.rules import NORM
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:

@@ -1,8 +1,8 @@
 """How model parameters are created: value, dtype, and logical axis names in one place.
 
 Every parameter of the model is an `nnx.Param` whose `out_sharding` metadata holds one logical axis
-name per dimension (see `t1jax.parallel.rules`). Eager sharding is off: placement on a mesh is
-decided once, from those names, by `t1jax.parallel.rules.state_shardings` (so a model can be
+name per dimension (see `t1jax.model.axes`). Eager sharding is off: placement on a mesh is
+decided once, from those names and a rules table, by `t1jax.parallel.rules.state_shardings` (so a model can be
 built, or abstractly evaluated, without a mesh in scope).
 
 Random initial values are drawn with numpy (seeded from the nnx key) when the key is concrete and

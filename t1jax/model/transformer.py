@@ -14,6 +14,13 @@ the backbone `Qwen35MoeModel` (embedding, layers, final norm), the causal LM
   row (the first valid_lengths[b] real, right padding after) to a `DecodeCache`.
 - `model.decode_step(token_ids, cache, active=None)`: one token per row with the recurrent forms;
   attention reads the cache only up to the longest active row.
+- `model.target_logprobs(input_ids, target_ids, ...)`: the training forward reduced to the
+  log-probability of each position's target token (float32 [B, T]), the LM head applied in
+  chunks (`ExecutionConfig.logits_chunk`, `t1jax.ops.cross_entropy`): no [B, T, vocab] logits.
+
+`execution` (`t1jax.model.execution.ExecutionConfig`) picks the attention kernel of the training
+forward and the prefill, the head's chunking and whether the training forward scans over repeats
+of the layer-type period (`layer_period`); the parameters are the same either way.
 
 Every form returns the experts it used per token and layer, `routing` int32 [B, T, L, k] (L =
 num_hidden_layers: every Qwen3.5 layer is MoE); in replay mode that is the replay array itself
@@ -31,14 +38,16 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from t1jax.model.attention import DECODE_KV_CHUNK, GatedAttention
+from t1jax.model.axes import ACT_BATCH, ACT_EMBED, ACT_LENGTH, ACT_VOCAB, EMBED, VOCAB, constrain
 from t1jax.model.cache import AttentionLayerCache, DecodeCache, LinearLayerCache, init_cache
 from t1jax.model.config import FULL_ATTENTION, Qwen35MoeConfig
+from t1jax.model.execution import DEFAULT_EXECUTION, ExecutionConfig
 from t1jax.model.gated_deltanet import GatedDeltaNet
 from t1jax.model.hooks import active_hooks
 from t1jax.model.moe import SparseMoeBlock, validate_routing_replay
 from t1jax.model.norms import RMSNorm
 from t1jax.model.params import make_param, normal
-from t1jax.parallel.rules import ACT_BATCH, ACT_EMBED, ACT_LENGTH, ACT_VOCAB, EMBED, VOCAB, constrain
+from t1jax.ops.cross_entropy import chunked_target_logprobs, num_chunks_for
 
 
 @struct.dataclass
@@ -53,6 +62,22 @@ class CausalLMOutput:
     routing: jax.Array  # int32 [B, T, num_hidden_layers, num_experts_per_tok]
 
 
+@struct.dataclass
+class TargetLogprobs:
+    logprobs: jax.Array  # float32 [B, T]: log p(target_ids[b, t] | tokens[b, :t + 1])
+    routing: jax.Array  # int32 [B, T, num_hidden_layers, num_experts_per_tok]
+
+
+def layer_period(layer_types: tuple[str, ...]) -> int:
+    """The shortest p such that the layer types repeat with period p over the whole stack
+    (p = len(layer_types) when they do not repeat); Qwen3.5: 4 ([linear x 3, full x 1])."""
+    count = len(layer_types)
+    for period in range(1, count + 1):
+        if count % period == 0 and all(layer_types[i] == layer_types[i % period] for i in range(count)):
+            return period
+    return count
+
+
 def positions_within_documents(segment_ids: jax.Array) -> jax.Array:
     """int32 [B, T]: each token's index within its document (a run of equal segment ids)."""
     seq_len = segment_ids.shape[1]
@@ -65,12 +90,23 @@ def positions_within_documents(segment_ids: jax.Array) -> jax.Array:
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: Qwen35MoeConfig, layer_index: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: Qwen35MoeConfig,
+        layer_index: int,
+        *,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+        execution: ExecutionConfig = DEFAULT_EXECUTION,
+    ):
         self.is_full_attention = config.layer_types[layer_index] == FULL_ATTENTION
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, param_dtype=param_dtype, rngs=rngs)
         if self.is_full_attention:
-            self.self_attn = GatedAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.self_attn = GatedAttention(
+                config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution
+            )
         else:
             self.linear_attn = GatedDeltaNet(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(
@@ -79,15 +115,18 @@ class DecoderLayer(nnx.Module):
         self.mlp = SparseMoeBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def _moe(self, hidden: jax.Array, replay_ids):
-        moe_out, expert_ids = self.mlp(self.post_attention_layernorm(hidden), replay_ids)
+        with jax.named_scope("moe"):  # scopes name the profile's ops (bench/model_step.py --profile)
+            moe_out, expert_ids = self.mlp(self.post_attention_layernorm(hidden), replay_ids)
         return hidden + moe_out, expert_ids
 
     def __call__(self, hidden, *, positions, segment_ids, replay_ids):
         normed = self.input_layernorm(hidden)
         if self.is_full_attention:
-            mixed = self.self_attn(normed, positions=positions, segment_ids=segment_ids)
+            with jax.named_scope("attention"):
+                mixed = self.self_attn(normed, positions=positions, segment_ids=segment_ids)
         else:
-            mixed = self.linear_attn(normed, segment_ids=segment_ids)
+            with jax.named_scope("gated_deltanet"):
+                mixed = self.linear_attn(normed, segment_ids=segment_ids)
         return self._moe(hidden + mixed, replay_ids)
 
     def extend(self, hidden, layer_cache, *, cache_lengths, valid_lengths, replay_ids):
@@ -139,10 +178,19 @@ class DecoderLayer(nnx.Module):
 class Qwen35MoeModel(nnx.Module):
     """Embedding, decoder layers, final norm. Returns normalised hidden states and routing."""
 
-    def __init__(self, config: Qwen35MoeConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: Qwen35MoeConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=None,
+        rngs: nnx.Rngs,
+        execution: ExecutionConfig = DEFAULT_EXECUTION,
+    ):
         param_dtype = dtype if param_dtype is None else param_dtype
         self.config = config
         self.dtype = dtype
+        self.execution = execution
         self.embed_tokens = make_param(
             rngs,
             normal(config.initializer_range),
@@ -152,7 +200,7 @@ class Qwen35MoeModel(nnx.Module):
         )
         self.layers = nnx.List(
             [
-                DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution)
                 for i in range(config.num_hidden_layers)
             ]
         )
@@ -175,8 +223,13 @@ class Qwen35MoeModel(nnx.Module):
         if routing_replay is not None:
             routing_replay = validate_routing_replay(routing_replay, self.config, input_ids.shape)
         hidden = self._embed(input_ids)
-        routing = []
         call_layer = active_hooks().decoder_layer or _call_layer
+        run = self._scanned_layers if self.execution.scan_layers else self._unrolled_layers
+        hidden, routing = run(call_layer, hidden, positions, segment_ids, routing_replay)
+        return BackboneOutput(hidden_states=self.norm(hidden), routing=routing)
+
+    def _unrolled_layers(self, call_layer, hidden, positions, segment_ids, routing_replay):
+        routing = []
         for index, layer in enumerate(self.layers):
             replay_ids = None if routing_replay is None else routing_replay[:, :, index]
             hidden, expert_ids = call_layer(
@@ -184,7 +237,42 @@ class Qwen35MoeModel(nnx.Module):
             )
             hidden = constrain(hidden, (ACT_BATCH, ACT_LENGTH, ACT_EMBED))
             routing.append(expert_ids)
-        return BackboneOutput(hidden_states=self.norm(hidden), routing=jnp.stack(routing, axis=2))
+        return hidden, jnp.stack(routing, axis=2)
+
+    def _scanned_layers(self, call_layer, hidden, positions, segment_ids, routing_replay):
+        """The same layers as `_unrolled_layers`, as a `lax.scan` over the repeats of the
+        layer-type period: slot s of repeat r is layer r * period + s. Each slot's parameters are
+        stacked over the repeats for the scan (the per-layer parameters stay where they are),
+        so the body compiles once per slot instead of once per layer."""
+        period = layer_period(self.config.layer_types)
+        repeats = len(self.layers) // period
+        graphdefs, stacked = [], []
+        for slot in range(period):
+            states = [nnx.state(self.layers[r * period + slot]) for r in range(repeats)]
+            graphdefs.append(nnx.graphdef(self.layers[slot]))
+            stacked.append(jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+        replay = None
+        if routing_replay is not None:
+            batch, length, _, top_k = routing_replay.shape
+            replay = jnp.moveaxis(routing_replay.reshape(batch, length, repeats, period, top_k), 2, 0)
+
+        def body(hidden, xs):
+            states, replay_r = xs
+            routing = []
+            for slot in range(period):
+                layer = nnx.merge(graphdefs[slot], states[slot])
+                replay_ids = None if replay_r is None else replay_r[:, :, slot]
+                hidden, expert_ids = call_layer(
+                    layer, hidden, positions=positions, segment_ids=segment_ids, replay_ids=replay_ids
+                )
+                hidden = constrain(hidden, (ACT_BATCH, ACT_LENGTH, ACT_EMBED))
+                routing.append(expert_ids)
+            return hidden, jnp.stack(routing, axis=2)
+
+        hidden, routing = jax.lax.scan(body, hidden, (stacked, replay))
+        batch, length = hidden.shape[:2]
+        routing = jnp.moveaxis(routing, 0, 2)  # [B, T, repeats, period, k]
+        return hidden, routing.reshape(batch, length, repeats * period, routing.shape[-1])
 
     def extend(self, input_ids, cache: DecodeCache, *, valid_lengths=None, routing_replay=None):
         input_ids = _check_token_ids(input_ids, self.config)
@@ -237,13 +325,22 @@ class Qwen35MoeForCausalLM(nnx.Module):
     `dtype`); router softmax, norms and the delta rule always run in float32."""
 
     def __init__(
-        self, config: Qwen35MoeConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs | None = None
+        self,
+        config: Qwen35MoeConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=None,
+        rngs: nnx.Rngs | None = None,
+        execution: ExecutionConfig = DEFAULT_EXECUTION,
     ):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         param_dtype = dtype if param_dtype is None else param_dtype
         self.config = config
         self.dtype = dtype
-        self.model = Qwen35MoeModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.execution = execution
+        self.model = Qwen35MoeModel(
+            config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution
+        )
         if not config.tie_word_embeddings:
             self.lm_head = make_param(
                 rngs,
@@ -253,11 +350,14 @@ class Qwen35MoeForCausalLM(nnx.Module):
                 (EMBED, VOCAB),
             )
 
-    def _logits(self, hidden: jax.Array) -> jax.Array:
+    def _head_kernel(self) -> jax.Array:
+        """[hidden, vocab] in the compute dtype."""
         if self.config.tie_word_embeddings:
-            kernel = self.model.embed_tokens[...].astype(self.dtype).T
-        else:
-            kernel = self.lm_head[...].astype(self.dtype)
+            return self.model.embed_tokens[...].astype(self.dtype).T
+        return self.lm_head[...].astype(self.dtype)
+
+    def _logits(self, hidden: jax.Array) -> jax.Array:
+        kernel = self._head_kernel()
         logits = jnp.einsum(
             "...h,hv->...v", hidden.astype(self.dtype), kernel, preferred_element_type=jnp.float32
         )
@@ -268,6 +368,30 @@ class Qwen35MoeForCausalLM(nnx.Module):
             input_ids, segment_ids=segment_ids, positions=positions, routing_replay=routing_replay
         )
         return CausalLMOutput(logits=self._logits(out.hidden_states), routing=out.routing)
+
+    def target_logprobs(
+        self, input_ids, target_ids, *, segment_ids=None, positions=None, routing_replay=None
+    ) -> TargetLogprobs:
+        """The training forward reduced to log p(target_ids[b, t] | input_ids[b, :t + 1]), float32
+        [B, T] (garbage where a target is not a token of the vocabulary, e.g. on padding), with
+        the head applied in strided chunks of about `execution.logits_chunk` positions."""
+        out = self.model(
+            input_ids, segment_ids=segment_ids, positions=positions, routing_replay=routing_replay
+        )
+        target_ids = _check_same_shape("target_ids", target_ids, out.hidden_states.shape[:2])
+        with jax.named_scope("lm_head"):
+            logprobs = self._chunked_logprobs(out.hidden_states, target_ids)
+        return TargetLogprobs(logprobs=logprobs, routing=out.routing)
+
+    def _chunked_logprobs(self, hidden: jax.Array, target_ids: jax.Array) -> jax.Array:
+        return chunked_target_logprobs(
+            hidden.astype(self.dtype),
+            self._head_kernel(),
+            target_ids,
+            num_chunks=num_chunks_for(target_ids.shape[1], self.execution.logits_chunk),
+            constrain_logits=lambda x: constrain(x, (ACT_BATCH, ACT_LENGTH, ACT_VOCAB)),
+            constrain_kernel=lambda x: constrain(x, (EMBED, VOCAB)),
+        )
 
     def init_cache(self, batch_size: int, max_len: int) -> DecodeCache:
         return init_cache(self.config, batch_size, max_len, self.dtype)

@@ -86,6 +86,7 @@ from t1jax.ops.gated_delta_rule import (
     intra_chunk_terms,
     segment_flags,
 )
+from t1jax.ops.varying import varying_like
 
 __all__ = [
     "PackedSequenceDescriptor",
@@ -103,25 +104,6 @@ _HIGHEST = lax.Precision.HIGHEST
 # --------------------------------------------------------------------------------------------------
 # small collective helpers
 # --------------------------------------------------------------------------------------------------
-
-
-def _varying_axes(x):
-    """The mesh axes ``x`` varies over inside shard_map (``aval.vma`` on newer jax)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    return frozenset(aval.mat.varying if vma is None else vma)
-
-
-def _varying_like(x, like):
-    """Cast every leaf of ``x`` to vary over the mesh axes any leaf of ``like`` varies over, so that
-    loop carries and cond branches agree on shard_map's types (the values are unchanged)."""
-    axes = frozenset().union(*(_varying_axes(leaf) for leaf in jax.tree.leaves(like)))
-
-    def cast(leaf):
-        missing = tuple(sorted(axes - _varying_axes(leaf), key=str))
-        return lax.pcast(leaf, missing, to="varying") if missing else leaf
-
-    return jax.tree.map(cast, x)
 
 
 def _shift(x, axis_name, size, step):
@@ -169,7 +151,7 @@ def _relay_forward(terms, state0, axis_name, precision, groups):
     size = lax.axis_size(axis_name)
     index = lax.axis_index(axis_name)
     width = state0.shape[1] // groups
-    idle_send = _varying_like(jnp.zeros_like(state0[:, :width]), (terms, state0, index))
+    idle_send = varying_like(jnp.zeros_like(state0[:, :width]), (terms, state0, index))
 
     def run_step(step, carry):
         incoming, out, final = carry
@@ -203,7 +185,7 @@ def _relay_forward(terms, state0, axis_name, precision, groups):
         return incoming, out, final
 
     carry = (state0, jnp.zeros(terms.u.shape, jnp.float32), jnp.zeros_like(state0))
-    carry = _varying_like(carry, (terms, state0, index))
+    carry = varying_like(carry, (terms, state0, index))
     incoming, out, final = lax.fori_loop(0, size + groups - 1, run_step, carry)
     return out, final, incoming
 
@@ -229,7 +211,7 @@ def _relay_scan_bwd(axis_name, precision, groups, residuals, cotangents):
     index = lax.axis_index(axis_name)
     width = incoming.shape[1] // groups
     every_input = (terms, incoming, d_out, d_final, index)
-    idle_send = _varying_like(jnp.zeros_like(incoming[:, :width]), every_input)
+    idle_send = varying_like(jnp.zeros_like(incoming[:, :width]), every_input)
 
     def run_step(step, carry):
         d_state_out, d_terms, d_incoming = carry
@@ -266,7 +248,7 @@ def _relay_scan_bwd(axis_name, precision, groups, residuals, cotangents):
 
     zeros_terms = jax.tree.map(jnp.zeros_like, terms)
     carry = (d_final, zeros_terms, jnp.zeros_like(incoming))
-    carry = _varying_like(carry, every_input)
+    carry = varying_like(carry, every_input)
     _, d_terms, d_incoming = lax.fori_loop(0, size + groups - 1, run_step, carry)
     # Only shard 0 read state0; the replicated input's cotangent is summed over shards by shard_map.
     d_state0 = jnp.where(index == 0, d_incoming, 0.0)
@@ -336,7 +318,7 @@ def gated_delta_rule_shard(
     else:
         state0 = initial_state.astype(jnp.float32)
     terms = intra_chunk_terms(q, k, v, g, beta, valid, starts, chunk_size=chunk_size, precision=precision)
-    state0 = _varying_like(state0, (terms, lax.axis_index(axis_name)))
+    state0 = varying_like(state0, (terms, lax.axis_index(axis_name)))
     out, final = _relay_scan(terms, state0, axis_name, precision, groups)
     out = jnp.where(valid[..., None, None], _from_chunks(out), 0.0)
     return out, _from_shard(final, size - 1, axis_name)

@@ -208,10 +208,19 @@ def _from_chunks(x):
 
 
 def _block_diagonal(matrix, block):
-    """[..., n, n] -> [..., n // block, block, block]: the diagonal blocks."""
+    """[..., n, n] -> [..., n // block, block, block]: the diagonal blocks.
+
+    By reshapes and slices only (an exact copy): in the row-major flattening, diagonal block a
+    starts at a * (block * n + block) and its row i at a further i * n, so padding the flat matrix
+    by n entries and cutting it into rows of block * (n + 1) lines the blocks up. (A repeated-index
+    einsum lowers to a masked reduction over every tile: ~10% of a CPU train step.)"""
     n = matrix.shape[-1]
-    tiles = matrix.reshape(matrix.shape[:-2] + (n // block, block, n // block, block))
-    return jnp.einsum("...aiaj->...aij", tiles)
+    count = n // block
+    lead = matrix.shape[:-2]
+    flat = matrix.reshape(lead + (n * n,))
+    flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, n)])
+    strips = flat.reshape(lead + (count, block * (n + 1)))[..., : block * n]
+    return strips.reshape(lead + (count, block, n))[..., :block]
 
 
 def _unit_lower_inverse_forward(matrix, precision):

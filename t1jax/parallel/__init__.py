@@ -1,16 +1,15 @@
 """Meshes and the logical-axis sharding rules shared by the trainer and the sampler.
 
-This package namespace re-exports the logical rules only (the model imports them, so importing
-anything heavier here would be circular). The trainer's parallelism lives in submodules:
+This package namespace re-exports the rules only. The model never imports it (the logical axis
+names live in ``t1jax.model.axes``) and it never imports the learner (what lowers or calibrates
+the learner's programs lives in ``t1jax.tools``). The trainer's parallelism lives in submodules:
 
 - ``t1jax.parallel.plan``: ``ShardingPlan``, named YAML plans, ``make_mesh(plan)``, parameter /
   optimizer / batch shardings.
 - ``t1jax.parallel.forward``: ``parallel_forward(plan, mesh, ...)``, the forward hooks of a plan.
 - ``t1jax.parallel.expert_parallel``: the all-to-all MoE dispatch.
 - ``t1jax.parallel.context``: context-parallel attention, the recurrent relayout, ``ContextLayout``.
-- ``t1jax.parallel.step``: a minimal actor train step and ``train_shardings``.
-- ``t1jax.parallel.capacity`` / ``planner``: the per-device memory model and ``t1jax plan``.
-- ``t1jax.parallel.lowering``: lowering a step on an abstract production mesh.
+- ``t1jax.parallel.capacity``: the per-device memory model of the learner (paper Eq. 21).
 """
 
 from t1jax.parallel.rules import (

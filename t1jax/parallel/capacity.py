@@ -1,54 +1,82 @@
-"""A per-device memory model of one train step under a sharding plan (paper §7.1, Eq. 21), for the
-sharding t1jax actually implements, calibrated against XLA's own memory analysis.
+"""A per-device memory model of the learner under a sharding plan (paper §7.1, Eq. 21), for the
+sharding and the programs t1jax actually runs, calibrated against XLA's own memory analysis of
+those programs (the learner's `actor_grad` / `critic_grad`, `t1jax.rl.learner.learner_programs`).
 
-    b(plan, T) = weights + gradients + optimizer + batch + boundary          (exact, from shapes)
-               + c_act layer + c_moe dispatch + c_ragged ragged_dense + c_saved saved
-               + c_attn attention_scores + c_logit logits + residue        (<= M)
+What the learner holds on the trainer devices (`t1jax.rl.learner.Learner`, one RL step):
+both networks' parameters, float32 master copies and Adam moments (co-resident, as the learner
+keeps them; the paper instead offloads the idle network, so that "each must fit alone": the
+``residency`` assumption), the ``ppo.retained_versions`` published actor versions (Eq. 26's
+behaviour policy), and a float32 gradient accumulator. The two gradient programs run one after
+the other (critic first), so the peak is that of the larger one on top of what is resident:
+
+    b(plan, T) = max over role in (actor, critic) of
+                 weights + gradients + optimizer + other_network + retained          (exact)
+               + batch + boundary                                                      (exact)
+               + c_act layer + c_moe dispatch + c_saved saved
+               + c_attn attention_scores + c_mask attention_mask + c_block attention_blocks
+               + c_logit logits + c_scan scan_copy                                     (fitted)
+               + residue                                                                 (<= M)
 
 Terms, per device, for ``rows`` sequences of T tokens per batch shard (``n = rows * T / context``
 tokens on a device; the terminal stage when a pipeline degree is given):
 
-- ``weights``: every parameter's size x bytes(param_dtype) / its shard count under the plan's
-  logical rules (experts over ``expert``, embed over ``fsdp``, heads / intermediates / vocab over
-  ``tensor``; replicated over data and context). Printed split as Pe / Pd like the paper.
-- ``gradients``: one gradient per parameter in param_dtype, sharded like the parameter, plus its
-  float32 cast in the optimizer sharding when param_dtype is not float32.
-- ``optimizer``: Adam moments (2 x float32) and, when param_dtype is not float32, a float32 master
-  copy, all split over every mesh axis the parameter is replicated on (a distributed optimizer):
-  for experts this divides by the whole device count, the plan-invariance of Proposition 7.1.
+- ``weights``: the running network's parameters x bytes(param_dtype) / their shard count under
+  the plan's logical rules (experts over ``expert``, embed over ``fsdp``, heads / intermediates /
+  vocab over ``tensor``; replicated over data and context).
+- ``gradients``: the program's gradient in param_dtype (parameter sharding), its float32 cast
+  (the program's output, in the optimizer sharding, as the learner constrains it) and, with
+  accumulation, the float32 accumulator of the earlier micro-batches (same sharding).
+- ``optimizer``: the running network's Adam moments (2 x float32) and, when param_dtype is not
+  float32, its float32 master copy, split over every mesh axis the parameter is replicated on (a
+  distributed optimizer): for experts this divides by the whole device count, the
+  plan-invariance of Proposition 7.1.
+- ``other_network``: co-resident only: the idle network's parameters, master and moments.
+- ``retained``: co-resident only: ``retained_versions`` copies of the actor's parameters.
 - ``batch``: the step's per-token inputs (ids, masks, advantages, replayed routing [L, k]).
-- ``boundary``: the layer inputs layer remat keeps for the backward, n x hidden x L.
+- ``boundary``: the layer inputs layer remat keeps for the backward, n x hidden x (L + 1), and the
+  chunked head's per-token residuals (log-sum-exp).
+- ``scan_copy``: with ``scan_layers``, the decoder's parameters stacked for the scan and their
+  stacked gradient (param_dtype each; fitted: XLA:CPU keeps almost none of it, slicing the
+  stacked operand back into its per-layer arguments).
 - ``layer``: the working set of one decoder layer's recomputed forward and backward, from the
   structural widths per token of the Gated DeltaNet mixer (projections, conv, q/k/v, the chunk
-  terms of the delta rule), of full attention (q/gate/k/v; with context parallelism the gathered
-  K/V) and of the MoE's per-token part (router, gates, combine, shared expert). Head-indexed
-  widths divide by the tensor degree when it divides the head count.
+  terms of the delta rule), of full attention (q/gate/k/v; blockwise: the float32 dQ and the
+  log-sum-exp; with context parallelism the gathered K/V and their float32 gradients) and of the
+  MoE's per-token part (router, gates, combine, shared expert). Head-indexed widths divide by the
+  tensor degree when it divides the head count.
 - ``dispatch``: the MoE's dispatched rows and their expert intermediates: k rows per token, or
   with expert parallelism the worst-case receive buffer eta * min(k, E / eta) rows per token
   (no token is ever dropped), plus the padded collective's blocks where it is used.
-- ``ragged_dense``: only where ``lax.ragged_dot`` has no native kernel (XLA:CPU lowers it densely:
-  every dispatched row is expanded over all local experts), rows x E_local x (2 hidden + I).
 - ``saved``: without remat, every layer's residuals kept for the backward.
-- ``attention_scores`` / ``attention_mask``: the dense attention core's [T / context, T] float32
+- ``attention_scores`` / ``attention_mask``: dense attention only: the [T / context, T] float32
   score block per local head and its mask per row (one layer with remat, all attention layers
-  without); 0 with a flash-style kernel.
-- ``logits``: n x |V| / tensor float32 (the paper's 4|V|T/kappa term, on the terminal stage).
+  without).
+- ``attention_blocks``: blockwise attention only: one [block_q, block_k] block of scores,
+  probabilities and their two gradients per local head (no [T, T] term at all).
+- ``logits``: the actor's head: one chunk of the chunked log-probabilities, (n / chunks) x |V| /
+  tensor float32 (``t1jax.ops.cross_entropy``; the paper's 4|V|T/kappa term divided by the chunk
+  count). The head and a decoder layer peak at different moments of the backward pass, so the
+  estimate charges max(head, layer phase): this term reports what the head adds beyond the layer
+  phase (``layer`` + ``dispatch`` + the attention terms; often 0). The critic has no head.
 - ``residue``: b0 (calibrated) plus ``residue_fraction`` x M for allocator fragmentation on the
   device (0 when comparing with XLA's analysis, which has none).
 
-Calibration: the seven c's and b0 are fitted (non-negative least squares) to
-``compiled.memory_analysis()`` of the tiny model's train step (``t1jax.parallel.step``: forward,
-backward, Adam update, donated state) at several token counts, vocabularies, expert counts and
-depths (``calibrate``); ``validate`` compares predictions with fresh compilations of other small
-configurations. A calibration records its backend: XLA:CPU's numbers include the dense ragged_dot
-and the CPU attention core; a TPU calibration (the same code on a TPU host) replaces them. On CPU
-the step is compiled with XLA:CPU's memory-optimised scheduler: the default one optimises for
-concurrency and recomputes every remat'd layer up front (8 tiny layers at T = 512: 112 MiB of
-temporaries instead of 18 MiB), which accelerators' memory-aware schedulers do not do.
+Calibration: the eight c's and b0 are fitted (non-negative least squares) to
+``compiled.memory_analysis()`` of the learner's two gradient programs on the tiny model at
+several token counts, vocabularies, expert counts, depths and plans (``t1jax.tools.lowering``:
+``calibrate``); ``validate`` compares predictions with fresh compilations of other configurations,
+T = 8192 among them. A compiled program holds its arguments, temporaries and outputs: the
+``program_terms`` of its role; the resident extras (optimizer, other network, retained versions,
+accumulator) are exact shapes and are added on top. A calibration records its backend: XLA:CPU's
+numbers reflect its fusion and buffer-reuse decisions (and the MoE's tiled grouped matmul,
+``t1jax.ops.grouped_matmul``); a TPU calibration (the same code on a TPU host) replaces them. On
+CPU the programs are compiled with XLA:CPU's memory-optimised scheduler (the default one
+optimises for concurrency and recomputes every remat'd layer up front, which accelerators'
+memory-aware schedulers do not do).
 
 Assumptions, stated once: Adam; float32 moments; a float32 master copy iff param_dtype is not
-float32; gradients all live at the peak; one micro-batch (gradient accumulation adds one float32
-gradient in the optimizer sharding, the ``gradients`` term's second part); layer remat per plan.
+float32; all gradients live at the program's peak; layer remat per plan; the execution settings
+(attention kernel, head chunking, layer scan) of the model preset.
 """
 
 from __future__ import annotations
@@ -64,22 +92,32 @@ from pathlib import Path
 import numpy as np
 
 from t1jax.model.config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35MoeConfig
+from t1jax.model.execution import ExecutionConfig
+from t1jax.ops.cross_entropy import num_chunks_for
 from t1jax.parallel.plan import MESH_AXES, ShardingPlan
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "configs" / "capacity"
+ROLES = ("actor", "critic")
+ATTENTION = ("dense", "blockwise")
+RESIDENCY = ("co-resident", "offload")
+PLATFORMS = ("tpu", "gpu", "cpu")
 # Terms computed exactly from shapes, and terms scaled by a calibrated coefficient (in the order
-# of `fit_calibration`'s unknowns; the residue b0 is the last unknown).
-EXACT_TERMS = ("weights", "batch", "gradients", "optimizer", "boundary")
+# of `fit_calibration`'s unknowns; the residue b0 is the last unknown). PROGRAM_EXACT_TERMS are
+# what a compiled gradient program itself holds; RESIDENT_TERMS live beside it.
+PROGRAM_EXACT_TERMS = ("weights", "gradients", "batch", "boundary")
+RESIDENT_TERMS = ("optimizer", "other_network", "retained")
+EXACT_TERMS = (*PROGRAM_EXACT_TERMS, *RESIDENT_TERMS)
 FITTED_TERMS = (
     "layer",
     "dispatch",
-    "ragged_dense",
     "saved",
     "attention_scores",
     "attention_mask",
+    "attention_blocks",
     "logits",
+    "scan_copy",
 )
 TERMS = (*EXACT_TERMS, *FITTED_TERMS, "residue")
 
@@ -91,31 +129,70 @@ TERMS = (*EXACT_TERMS, *FITTED_TERMS, "residue")
 
 @dataclasses.dataclass(frozen=True)
 class MemoryAssumptions:
-    """What a step keeps, beyond the plan. ``ragged_dot``: "dense" (XLA:CPU's lowering) or
-    "grouped" (TPU/GPU kernels); ``attention``: "dense" (t1jax's attention core) or "flash"."""
+    """What a step keeps, beyond the plan. ``platform``: the backend the step runs on ("cpu"
+    has no ragged all-to-all, so the "auto" MoE collective is the padded one there);
+    ``attention``: "blockwise" (t1jax's default kernel, and the
+    memory of the splash kernel) or "dense"; ``residency``: "co-resident" (both networks'
+    state on the devices, as `Learner` holds it) or "offload" (only the running network's,
+    the paper's forced offload); ``retained_versions``: published actor versions kept for the
+    behaviour policy (co-resident only); ``accumulate``: a float32 gradient accumulator across
+    micro-batches; ``logits_chunk`` / ``scan_layers`` / block sizes: the model's execution."""
 
     param_dtype: str = "bfloat16"
     compute_dtype: str = "bfloat16"
-    ragged_dot: str = "grouped"
-    attention: str = "dense"
+    platform: str = "tpu"
+    attention: str = "blockwise"
     rows: int = 1
     residue_fraction: float = 0.03
     chunk_size: int = 64
+    attention_block_q: int = 512
+    attention_block_k: int = 512
+    logits_chunk: int = 1024
+    scan_layers: bool = False
+    residency: str = "co-resident"
+    retained_versions: int = 2
+    accumulate: bool = True
 
     def __post_init__(self):
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(f"{name} must be one of {sorted(DTYPE_BYTES)}, got {getattr(self, name)!r}")
-        if self.ragged_dot not in ("dense", "grouped"):
-            raise ValueError(f"ragged_dot must be 'dense' or 'grouped', got {self.ragged_dot!r}")
-        if self.attention not in ("dense", "flash"):
-            raise ValueError(f"attention must be 'dense' or 'flash', got {self.attention!r}")
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
+        if self.residency not in RESIDENCY:
+            raise ValueError(f"residency must be one of {RESIDENCY}, got {self.residency!r}")
         if self.rows < 1:
             raise ValueError(f"rows must be >= 1, got {self.rows}")
+        if self.retained_versions < 0:
+            raise ValueError(f"retained_versions must be >= 0, got {self.retained_versions}")
 
     @property
     def master_weights(self) -> bool:
         return self.param_dtype != "float32"
+
+    def with_execution(self, execution: ExecutionConfig) -> MemoryAssumptions:
+        """These assumptions with the attention kernel, blocks, head chunking and layer scan of
+        a model's `ExecutionConfig` (the splash kernel's memory is the blockwise one's)."""
+        return dataclasses.replace(
+            self,
+            attention="dense" if execution.attention == "dense" else "blockwise",
+            attention_block_q=execution.attention_block_q,
+            attention_block_k=execution.attention_block_k,
+            logits_chunk=execution.logits_chunk,
+            scan_layers=execution.scan_layers,
+        )
+
+    def execution(self) -> ExecutionConfig:
+        """The `ExecutionConfig` a compiled program must use to match these assumptions."""
+        return ExecutionConfig(
+            attention=self.attention,
+            attention_block_q=self.attention_block_q,
+            attention_block_k=self.attention_block_k,
+            logits_chunk=self.logits_chunk,
+            scan_layers=self.scan_layers,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,12 +201,13 @@ class Calibration:
 
     activation: float
     dispatch: float
-    ragged: float
     saved: float
     attention: float
     mask: float
+    blocks: float
     logits: float
     residue_bytes: float
+    scan: float = 1.0
     backend: str = "unknown"
     jax_version: str = "unknown"
     points: tuple = ()
@@ -149,6 +227,12 @@ class Calibration:
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
         return cls.from_json(Path(path).read_text())
+
+    def coefficients(self) -> dict[str, float]:
+        """Fitted term name -> its multiplicity."""
+        values = (self.activation, self.dispatch, self.saved, self.attention, self.mask, self.blocks)
+        scale = dict(zip(FITTED_TERMS, (*values, self.logits, self.scan), strict=True))
+        return scale | {"layer_attention": self.activation}
 
 
 def default_calibration() -> Calibration:
@@ -171,18 +255,26 @@ class ParameterGroup:
 
 
 @functools.cache
-def parameter_inventory(config: Qwen35MoeConfig) -> tuple[ParameterGroup, ...]:
-    """The model's parameters grouped by (shape, logical axes), from an abstract model with one
-    layer of each type (layers of one type are identical), multiplied by the layer counts."""
+def parameter_inventory(config: Qwen35MoeConfig, role: str = "actor") -> tuple[ParameterGroup, ...]:
+    """The parameters of the actor (LM head) or the critic (value head), grouped by (shape,
+    logical axes), from an abstract model with one layer of each type (layers of one type are
+    identical), multiplied by the layer counts."""
     import jax.numpy as jnp
-    from flax import nnx
 
+    from t1jax.model.axes import logical_axes
+    from t1jax.model.critic import Qwen35MoeCritic
+    from t1jax.model.params import abstract_params
     from t1jax.model.transformer import Qwen35MoeForCausalLM
-    from t1jax.parallel.rules import logical_axes
 
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     types = [t for t in (LINEAR_ATTENTION, FULL_ATTENTION) if t in config.layer_types]
     probe = config.replace(num_hidden_layers=len(types), layer_types=tuple(types))
-    model = nnx.eval_shape(lambda: Qwen35MoeForCausalLM(probe, dtype=jnp.float32))
+    build = Qwen35MoeForCausalLM if role == "actor" else Qwen35MoeCritic
+    from flax import nnx
+
+    with abstract_params():
+        model = build(probe, dtype=jnp.float32)
     counts = {t: config.layer_types.count(t) for t in types}
     groups: dict[tuple, int] = {}
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -201,10 +293,10 @@ def parameter_inventory(config: Qwen35MoeConfig) -> tuple[ParameterGroup, ...]:
     )
 
 
-def parameter_counts(config: Qwen35MoeConfig) -> tuple[int, int]:
+def parameter_counts(config: Qwen35MoeConfig, role: str = "actor") -> tuple[int, int]:
     """(Pe, Pd): routed-expert and all other parameters."""
     expert = dense = 0
-    for group in parameter_inventory(config):
+    for group in parameter_inventory(config, role):
         size = math.prod(group.shape) * group.count
         if group.is_expert:
             expert += size
@@ -226,22 +318,34 @@ def _abstract_mesh(plan: ShardingPlan):
     return jax.sharding.AbstractMesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
 
 
-def _shard_sizes(config: Qwen35MoeConfig, plan: ShardingPlan) -> list[tuple[ParameterGroup, int, int]]:
-    """Per group: (group, elements per device under the parameter sharding, under the optimizer
-    sharding), for one pipeline stage's share of the layers (the terminal stage)."""
+@dataclasses.dataclass(frozen=True)
+class ShardSizes:
+    """Elements per device of one network: all parameters under the parameter sharding, under
+    the optimizer sharding, and the decoder layers' parameters (what the layer scan stacks)."""
+
+    params: int
+    optimizer: int
+    layers: int
+
+
+def group_shard_sizes(
+    config: Qwen35MoeConfig, plan: ShardingPlan, role: str = "actor"
+) -> list[tuple[ParameterGroup, int, int]]:
+    """Per parameter group: (group, elements per device under the parameter sharding, under the
+    optimizer sharding), for one pipeline stage's share of the layers (the terminal stage)."""
     from jax.sharding import NamedSharding
 
-    from t1jax.parallel import rules as logical
+    from t1jax.model.axes import resolve_spec
     from t1jax.parallel.plan import distributed_spec, plan_rules
 
     mesh = _abstract_mesh(plan)
     rules = plan_rules(plan)
     out = []
-    for group in parameter_inventory(config):
+    for group in parameter_inventory(config, role):
         count = group.count
         if group.layer_type is not None:
             count = math.ceil(count / plan.pipeline)
-        spec = logical.resolve_spec(group.axes, group.shape, mesh, rules)
+        spec = resolve_spec(group.axes, group.shape, mesh, rules)
         local = math.prod(NamedSharding(mesh, spec).shard_shape(group.shape))
         opt_spec = distributed_spec(spec, group.shape, mesh)
         opt_local = math.prod(NamedSharding(mesh, opt_spec).shard_shape(group.shape))
@@ -249,31 +353,49 @@ def _shard_sizes(config: Qwen35MoeConfig, plan: ShardingPlan) -> list[tuple[Para
     return out
 
 
+@functools.cache
+def shard_sizes(config: Qwen35MoeConfig, plan: ShardingPlan, role: str = "actor") -> ShardSizes:
+    """Per-device element counts of ``role``'s parameters (``group_shard_sizes`` summed)."""
+    params = optimizer = layers = 0
+    for group, local, opt_local in group_shard_sizes(config, plan, role):
+        params += local
+        optimizer += opt_local
+        if group.layer_type is not None:
+            layers += local
+    return ShardSizes(params, optimizer, layers)
+
+
 def _divides(count: int, degree: int) -> int:
     """The factor a dimension of ``count`` is split by: ``degree`` if it divides, else 1."""
     return degree if degree > 1 and count % degree == 0 else 1
 
 
-def structural_terms(
-    config: Qwen35MoeConfig, plan: ShardingPlan, tokens: int, assumptions: MemoryAssumptions
+def program_terms(
+    config: Qwen35MoeConfig,
+    plan: ShardingPlan,
+    tokens: int,
+    assumptions: MemoryAssumptions,
+    role: str = "actor",
 ) -> dict[str, float]:
-    """The uncalibrated terms in bytes per device (see module docstring)."""
+    """The uncalibrated terms, in bytes per device, of ``role``'s gradient program alone (its
+    arguments, temporaries and outputs; see the module docstring)."""
     rows, context = assumptions.rows, plan.context
     local_tokens = rows * tokens / context
     compute = DTYPE_BYTES[assumptions.compute_dtype]
     param_bytes = DTYPE_BYTES[assumptions.param_dtype]
     f32 = 4
-
-    weights = gradients = optimizer = 0.0
-    for _group, local, opt_local in _shard_sizes(config, plan):
-        weights += local * param_bytes
-        gradients += local * param_bytes + (opt_local * f32 if assumptions.master_weights else 0)
-        optimizer += opt_local * (8 + (4 if assumptions.master_weights else 0))
+    sizes = shard_sizes(config, plan, role)
+    weights = sizes.params * param_bytes
+    # The program's gradient in param_dtype (parameter sharding), then its float32 cast in the
+    # optimizer sharding (the output).
+    gradients = sizes.params * param_bytes + sizes.optimizer * f32
+    scan_copy = 2 * sizes.layers * param_bytes if assumptions.scan_layers else 0.0
 
     layers_here = [config.layer_types[i] for i in range(config.num_hidden_layers)]
     layers_here = layers_here[len(layers_here) - math.ceil(len(layers_here) / plan.pipeline) :]
     hidden = config.hidden_size
     tau = plan.tensor
+    blockwise = assumptions.attention == "blockwise"
 
     # Gated DeltaNet working set per token.
     lin_heads = config.linear_num_value_heads / _divides(config.linear_num_value_heads, tau)
@@ -303,8 +425,12 @@ def structural_terms(
         + 4 * kv_heads * head_dim * compute
         + 2 * heads * head_dim * compute
     )
-    if context > 1:  # K/V of the whole row gathered, then reordered
+    if blockwise:  # the float32 dQ accumulator and the log-sum-exp of every query row
+        attention += heads * head_dim * f32 + heads * f32
+    if context > 1:  # K/V of the whole row gathered, then reordered (and blockwise: their grads)
         attention += 2 * 2 * kv_heads * head_dim * compute * context
+        if blockwise:
+            attention += 2 * kv_heads * head_dim * f32 * context
     # MoE working set per token.
     experts, top_k, eta = config.num_experts, config.num_experts_per_tok, plan.expert
     local_experts = experts // eta if experts % eta == 0 else experts
@@ -323,56 +449,103 @@ def structural_terms(
     # The dispatched rows and their expert intermediates (k per token; with expert parallelism
     # the worst-case receive buffer), and the padded collective's blocks out and back.
     dispatch = rows_per_token * (2 * hidden + 3 * inter) * compute
-    # "auto" is the ragged all-to-all except on CPU (where ragged_dot is dense too): padded there.
+    # "auto" is the ragged all-to-all except on CPU (which has none): padded there.
     padded = plan.moe_collective == "padded" or (
-        plan.moe_collective == "auto" and assumptions.ragged_dot == "dense"
+        plan.moe_collective == "auto" and assumptions.platform == "cpu"
     )
     if eta > 1 and padded:
         dispatch += 2 * rows_per_token * hidden * compute
-    ragged = rows_per_token * local_experts * (2 * hidden + inter) * compute
-    if assumptions.ragged_dot == "grouped":
-        ragged = 0.0
 
     per_type = {LINEAR_ATTENTION: gdn + moe, FULL_ATTENTION: attention + moe}
     attention_layers = sum(1 for t in layers_here if t == FULL_ATTENTION)
-    # One layer's working set is live in either mode (the backward of the layer being processed).
-    layer = local_tokens * max(per_type[t] for t in set(layers_here))
+    # One layer's working set is live in either mode (the backward of the layer being processed):
+    # a Gated DeltaNet layer's or an attention layer's, whichever is larger (``calibrated``).
+    layer = local_tokens * per_type[LINEAR_ATTENTION] if LINEAR_ATTENTION in layers_here else 0.0
+    layer_attention = local_tokens * per_type[FULL_ATTENTION] if attention_layers else 0.0
     dispatch_bytes = local_tokens * dispatch
-    ragged_bytes = local_tokens * ragged
     if plan.remat == "layer":
-        boundary = local_tokens * len(layers_here) * hidden * compute
+        boundary = local_tokens * (len(layers_here) + 1) * hidden * compute
         saved = 0.0
         live_attention = min(1, attention_layers)
-    else:  # every layer's residuals are kept for the backward
-        boundary = 0.0
+    else:  # every layer's residuals are kept for the backward (dense attention: its probabilities)
+        boundary = local_tokens * hidden * compute
         saved = local_tokens * sum(per_type[t] + dispatch for t in layers_here)
-        live_attention = attention_layers
-    # Dense attention: per local head a float32 [T / context, T] score block; per row one
-    # [T / context, T] mask (shared by the heads). A flash-style kernel keeps neither.
-    scores = mask = 0.0
+        live_attention = attention_layers if assumptions.attention == "dense" else min(1, attention_layers)
+    scores = mask = blocks = 0.0
+    query_rows = tokens / context
     if assumptions.attention == "dense":
-        pairs = live_attention * rows * (tokens / context) * tokens
+        # Per local head a float32 [T / context, T] score block; per row one mask (shared by heads).
+        pairs = live_attention * rows * query_rows * tokens
         scores = pairs * heads * f32
         mask = pairs * f32
-    vocab = config.vocab_size / _divides(config.vocab_size, tau)
-    logits = local_tokens * vocab * f32
-    # Token ids, targets, segment ids, positions, three float32 per-token values, the replayed
-    # routing [L, k], and with context parallelism the two layout index arrays.
-    batch = local_tokens * (7 * 4 + config.num_hidden_layers * top_k * 4 + (8 if context > 1 else 0))
+    elif live_attention:
+        # Scores, probabilities and their two gradients of one [block_q, block_k] block per head.
+        block_q = min(assumptions.attention_block_q, query_rows)
+        block_k = min(assumptions.attention_block_k, tokens)
+        blocks = live_attention * 4 * rows * heads * block_q * block_k * f32
+    logits = 0.0
+    if role == "actor":
+        vocab = config.vocab_size / _divides(config.vocab_size, tau)
+        chunks = num_chunks_for(tokens, assumptions.logits_chunk)
+        logits = local_tokens / chunks * vocab * f32
+        boundary += local_tokens * 2 * f32  # per-token log-sum-exp and log-prob of the head
+    # Token ids, targets, segment ids, positions, four float32 per-token values, the replayed
+    # routing [L, k], and the programs' per-token outputs.
+    batch = local_tokens * (8 * 4 + config.num_hidden_layers * top_k * 4)
     return {
         "weights": weights,
-        "batch": batch,
         "gradients": gradients,
-        "optimizer": optimizer,
+        "batch": batch,
         "boundary": boundary,
+        "scan_copy": scan_copy,
         "layer": layer,
+        "layer_attention": layer_attention,
         "dispatch": dispatch_bytes,
-        "ragged_dense": ragged_bytes,
         "saved": saved,
         "attention_scores": scores,
         "attention_mask": mask,
+        "attention_blocks": blocks,
         "logits": logits,
     }
+
+
+def resident_terms(
+    config: Qwen35MoeConfig, plan: ShardingPlan, assumptions: MemoryAssumptions, role: str = "actor"
+) -> dict[str, float]:
+    """What lives on the devices beside ``role``'s gradient program, in bytes per device: its
+    optimizer state (moments, master), the float32 gradient accumulator and, co-resident, the
+    other network's whole state and the retained actor versions."""
+    param_bytes = DTYPE_BYTES[assumptions.param_dtype]
+    master = 4 if assumptions.master_weights else 0
+
+    def state(sizes: ShardSizes) -> float:
+        return sizes.params * param_bytes + sizes.optimizer * (8 + master)
+
+    sizes = shard_sizes(config, plan, role)
+    other = "critic" if role == "actor" else "actor"
+    co_resident = assumptions.residency == "co-resident"
+    actor = shard_sizes(config, plan, "actor")
+    return {
+        "optimizer": sizes.optimizer * (8 + master),
+        "accumulator": sizes.optimizer * 4 if assumptions.accumulate else 0.0,
+        "other_network": state(shard_sizes(config, plan, other)) if co_resident else 0.0,
+        "retained": assumptions.retained_versions * actor.params * param_bytes if co_resident else 0.0,
+    }
+
+
+def structural_terms(
+    config: Qwen35MoeConfig,
+    plan: ShardingPlan,
+    tokens: int,
+    assumptions: MemoryAssumptions,
+    role: str = "actor",
+) -> dict[str, float]:
+    """Every uncalibrated term of ``role``'s step, in bytes per device (program + resident; the
+    accumulator is part of ``gradients``)."""
+    terms = program_terms(config, plan, tokens, assumptions, role)
+    resident = resident_terms(config, plan, assumptions, role)
+    terms["gradients"] += resident.pop("accumulator")
+    return {**terms, **resident}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -382,13 +555,17 @@ def structural_terms(
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-device bytes by term for one plan; ``budget`` M in bytes (None: no verdict)."""
+    """Per-device bytes by term for one plan, for the program that binds (``role``: the larger
+    of the actor's and the critic's step); ``roles`` holds both totals; ``budget`` M in bytes
+    (None: no verdict)."""
 
     plan: ShardingPlan
     tokens: int
     terms: dict
     budget: float | None = None
     problems: tuple[str, ...] = ()
+    role: str = "actor"
+    roles: dict = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -410,9 +587,42 @@ class MemoryEstimate:
         name = self.binding_term()
         share = self.terms[name] / self.budget
         if self.terms[name] > self.budget:
-            return f"{name} alone is {self.terms[name] / GIB:.1f} GiB > M"
+            return f"{self.role} step: {name} alone is {self.terms[name] / GIB:.1f} GiB > M"
         over = (self.total - self.budget) / GIB
-        return f"over by {over:.1f} GiB; largest term {name} = {share:.0%} of M"
+        return f"{self.role} step over by {over:.1f} GiB; largest term {name} = {share:.0%} of M"
+
+
+# The backward pass peaks in one place at a time: in a Gated DeltaNet layer (its working set and
+# the MoE dispatch), in an attention layer (its working set, its attention terms and the dispatch)
+# or in the LM head (one chunk of logits and their gradient).
+ATTENTION_TERMS = ("attention_scores", "attention_mask", "attention_blocks")
+
+
+def _phases(scaled: dict[str, float]) -> tuple[float, float, float]:
+    """(Gated DeltaNet layer, attention layer, head) working sets from scaled terms."""
+    linear = scaled.get("layer", 0.0)
+    attention = scaled.get("layer_attention", 0.0) + sum(scaled.get(name, 0.0) for name in ATTENTION_TERMS)
+    return linear, attention, scaled.get("logits", 0.0)
+
+
+def calibrated(terms: dict[str, float], calibration: Calibration) -> dict[str, float]:
+    """Structural terms with the fitted ones scaled by the calibration (no residue), and the peak
+    phase resolved so that the terms add up to the peak: ``layer`` is the binding layer type's
+    working set (the attention terms count only when an attention layer binds), and ``logits`` is
+    what the head's chunk needs beyond that layer phase (often 0)."""
+    scale = calibration.coefficients()
+    scaled = {name: value * scale.get(name, 1.0) for name, value in terms.items()}
+    linear, attention, head = _phases(scaled)
+    out = {name: value for name, value in scaled.items() if name != "layer_attention"}
+    if "layer_attention" in scaled:
+        if attention >= linear:
+            out["layer"] = scaled["layer_attention"]
+        else:
+            out.update({name: 0.0 for name in ATTENTION_TERMS})
+    layer_phase = max(linear, attention) + scaled.get("dispatch", 0.0)
+    if "logits" in out:
+        out["logits"] = max(0.0, head - layer_phase)
+    return out
 
 
 def estimate(
@@ -423,25 +633,17 @@ def estimate(
     assumptions: MemoryAssumptions = MemoryAssumptions(),
     calibration: Calibration | None = None,
     budget_bytes: float | None = None,
+    roles: Sequence[str] = ROLES,
 ) -> MemoryEstimate:
-    """The model's per-device bytes for ``plan`` at a token wall of ``tokens``."""
+    """The learner's per-device bytes for ``plan`` at a token wall of ``tokens``: the larger of
+    the ``roles``' steps (each with everything resident beside it)."""
     calibration = default_calibration() if calibration is None else calibration
-    raw = structural_terms(config, plan, tokens, assumptions)
-    terms = {
-        "weights": raw["weights"],
-        "batch": raw["batch"],
-        "gradients": raw["gradients"],
-        "optimizer": raw["optimizer"],
-        "boundary": raw["boundary"],
-        "layer": calibration.activation * raw["layer"],
-        "dispatch": calibration.dispatch * raw["dispatch"],
-        "ragged_dense": calibration.ragged * raw["ragged_dense"],
-        "saved": calibration.saved * raw["saved"],
-        "attention_scores": calibration.attention * raw["attention_scores"],
-        "attention_mask": calibration.mask * raw["attention_mask"],
-        "logits": calibration.logits * raw["logits"],
-        "residue": calibration.residue_bytes + assumptions.residue_fraction * (budget_bytes or 0.0),
-    }
+    residue = calibration.residue_bytes + assumptions.residue_fraction * (budget_bytes or 0.0)
+    per_role = {}
+    for role in roles:
+        terms = calibrated(structural_terms(config, plan, tokens, assumptions, role), calibration)
+        per_role[role] = {name: terms[name] for name in TERMS if name != "residue"} | {"residue": residue}
+    role = max(per_role, key=lambda r: sum(per_role[r].values()))
     problems = tuple(plan.check_model(config))
     if tokens % (2 * plan.context):
         problems += (f"{tokens} tokens do not split into 2 x context = {2 * plan.context} chunks",)
@@ -450,7 +652,37 @@ def estimate(
             f"T / context = {tokens // plan.context} is not a multiple of the delta-rule chunk "
             f"({assumptions.chunk_size})",
         )
-    return MemoryEstimate(plan=plan, tokens=tokens, terms=terms, budget=budget_bytes, problems=problems)
+    return MemoryEstimate(
+        plan=plan,
+        tokens=tokens,
+        terms=per_role[role],
+        budget=budget_bytes,
+        problems=problems,
+        role=role,
+        roles={r: float(sum(t.values())) for r, t in per_role.items()},
+    )
+
+
+def program_estimate(
+    config: Qwen35MoeConfig,
+    plan: ShardingPlan,
+    tokens: int,
+    assumptions: MemoryAssumptions,
+    calibration: Calibration,
+    role: str = "actor",
+) -> float:
+    """Predicted bytes of ``role``'s compiled gradient program alone (what XLA's memory analysis
+    of that program reports): its program terms, calibrated, plus b0."""
+    terms = calibrated(program_terms(config, plan, tokens, assumptions, role), calibration)
+    return float(sum(terms.values()) + calibration.residue_bytes)
+
+
+def padded_tokens(tokens: int, plan: ShardingPlan, chunk_size: int = 64) -> int:
+    """The smallest length >= ``tokens`` the plan can run: a multiple of context x chunk."""
+    if plan.context == 1:
+        return tokens
+    unit = plan.context * chunk_size
+    return math.ceil(tokens / unit) * unit
 
 
 def _divisors(n: int) -> list[int]:
@@ -508,190 +740,91 @@ def rank_plans(estimates: Iterable[MemoryEstimate]) -> tuple[list[MemoryEstimate
 
 
 # --------------------------------------------------------------------------------------------------
-# XLA's side: measurement, calibration, validation
+# fitting to XLA's memory analysis (the measurements themselves: t1jax.tools.lowering)
 # --------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationPoint:
-    """One compiled train step: a config override of the tiny model, a plan, a token count."""
+    """One compiled gradient program: a config override of the tiny model, a plan, a token
+    count, and overrides of the CPU assumptions (attention kernel, head chunking, ...)."""
 
     name: str
     tokens: int
     overrides: tuple = ()  # ((field, value), ...) applied to the base config
     plan: ShardingPlan = ShardingPlan()
     rows: int = 1
+    assumption_overrides: tuple = ()  # ((field, value), ...) applied to cpu_assumptions()
 
     def config(self, base: Qwen35MoeConfig) -> Qwen35MoeConfig:
         return base.replace(**dict(self.overrides)) if self.overrides else base
 
+    def assumptions(self) -> MemoryAssumptions:
+        return dataclasses.replace(cpu_assumptions(self.rows), **dict(self.assumption_overrides))
+
 
 def cpu_assumptions(rows: int = 1) -> MemoryAssumptions:
-    """What the CPU calibration compiles: float32 everywhere, dense ragged_dot, dense attention,
-    no fragmentation allowance."""
+    """What the CPU calibration compiles: float32 everywhere, the blockwise kernel with the
+    default blocks, no fragmentation allowance."""
     return MemoryAssumptions(
         param_dtype="float32",
         compute_dtype="float32",
-        ragged_dot="dense",
-        attention="dense",
+        platform="cpu",
         rows=rows,
         residue_fraction=0.0,
     )
 
 
-def measure(config: Qwen35MoeConfig, plan: ShardingPlan, tokens: int, assumptions: MemoryAssumptions) -> int:
-    """Per-device bytes XLA allocates for the train step: arguments + temporaries + outputs that
-    do not alias a donated argument (``compiled.memory_analysis()``; compiles, never runs)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
+def fit_calibration(
+    samples: Sequence[tuple[Qwen35MoeConfig, CalibrationPoint, str, int]], *, backend: str, jax_version: str
+) -> Calibration:
+    """Least squares, with non-negative coefficients, of the relative error of the predicted
+    program bytes (exact terms + fitted terms with the peak phase as a max, see ``calibrated``,
+    + b0) over (config, point, role, measured bytes) samples (started from an additive NNLS)."""
+    from scipy.optimize import least_squares, nnls
 
-    from t1jax.model.transformer import Qwen35MoeForCausalLM
-    from t1jax.parallel.plan import make_mesh
-    from t1jax.parallel.step import (
-        abstract_actor_batch,
-        init_train_state,
-        make_actor_train_step,
-        train_shardings,
-    )
+    features, exact, measured = [], [], []
+    for config, point, role, nbytes in samples:
+        raw = program_terms(config, point.plan, point.tokens, point.assumptions(), role)
+        exact.append(sum(raw[name] for name in PROGRAM_EXACT_TERMS))
+        features.append([raw[name] for name in FITTED_TERMS] + [1.0, raw["layer_attention"]])
+        measured.append(nbytes)
+    features, exact, measured = np.asarray(features), np.asarray(exact), np.asarray(measured, float)
+    names = (*FITTED_TERMS, "residue")
+    index = {name: names.index(name) for name in names}
+    additive = [index[name] for name in ("saved", "scan_copy", "residue")]
+    attention_extras = [index[name] for name in ATTENTION_TERMS]
 
-    dtype = getattr(jnp, assumptions.compute_dtype)
-    param_dtype = getattr(jnp, assumptions.param_dtype)
-    model = nnx.eval_shape(lambda: Qwen35MoeForCausalLM(config, dtype=dtype, param_dtype=param_dtype))
-    graphdef, params = nnx.split(model)
-    mesh = make_mesh(plan)
-    shape = (assumptions.rows * plan.batch_shards, tokens)
-    shardings = train_shardings(params, mesh, plan, shape, config, interleaved=plan.context > 1)
-    step = make_actor_train_step(graphdef, plan, mesh, shardings, chunk_size=assumptions.chunk_size)
-    state = jax.eval_shape(init_train_state, params)
-    state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings.state
-    )
-    batch = abstract_actor_batch(config, shape, shardings.batch)
-    options = (
-        {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-        if jax.default_backend() == "cpu"
-        else {}
-    )
-    analysis = step.lower(state, batch).compile(compiler_options=options).memory_analysis()
-    return int(
-        analysis.argument_size_in_bytes
-        + analysis.temp_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-    )
+    def predicted(c):
+        scaled = features[:, : len(names)] * c
+        linear = scaled[:, index["layer"]]
+        attention = features[:, -1] * c[index["layer"]] + scaled[:, attention_extras].sum(1)
+        layer_phase = np.maximum(linear, attention) + scaled[:, index["dispatch"]]
+        return exact + scaled[:, additive].sum(1) + np.maximum(scaled[:, index["logits"]], layer_phase)
 
-
-def _features(config, plan, tokens, assumptions) -> tuple[float, np.ndarray]:
-    raw = structural_terms(config, plan, tokens, assumptions)
-    exact = sum(raw[name] for name in EXACT_TERMS)
-    fitted = np.array([raw[name] for name in FITTED_TERMS] + [1.0])
-    return exact, fitted
-
-
-def fit_calibration(samples: Sequence[tuple[Qwen35MoeConfig, CalibrationPoint, int]]) -> Calibration:
-    """Non-negative least squares of measured bytes - exact terms on the fitted terms, each row
-    weighted by 1 / measured (so relative errors count equally)."""
-    import jax
-    from scipy.optimize import nnls
-
-    rows, targets = [], []
-    for config, point, measured in samples:
-        exact, fitted = _features(config, point.plan, point.tokens, cpu_assumptions(point.rows))
-        rows.append(fitted / measured)
-        targets.append((measured - exact) / measured)
-    coefficients, _ = nnls(np.asarray(rows), np.asarray(targets))
-    activation, dispatch, ragged, saved, attention, mask, logits, residue = (float(c) for c in coefficients)
+    additive_model = features[:, : len(names)].copy()
+    additive_model[:, index["layer"]] = np.maximum(features[:, index["layer"]], features[:, -1])
+    start, _ = nnls(additive_model / measured[:, None], (measured - exact) / measured)
+    # The maxima are flat in a coefficient wherever another phase wins: start the head's
+    # coefficient at several values so the fit can find where the head binds.
+    fits = []
+    for head_start in (start[index["logits"]], 1.0, 2.0, 4.0):
+        guess = start.copy()
+        guess[index["logits"]] = head_start
+        fits.append(least_squares(lambda c: predicted(c) / measured - 1.0, guess, bounds=(0.0, np.inf)))
+    fit = min(fits, key=lambda f: f.cost)
+    activation, dispatch, saved, attention, mask, blocks, logits, scan, residue = (float(c) for c in fit.x)
     return Calibration(
+        scan=scan,
         activation=activation,
         dispatch=dispatch,
-        ragged=ragged,
+        blocks=blocks,
         saved=saved,
         attention=attention,
         mask=mask,
         logits=logits,
         residue_bytes=residue,
-        backend=jax.default_backend(),
-        jax_version=jax.__version__,
-        points=tuple((p.name, p.tokens, m) for _, p, m in samples),
+        backend=backend,
+        jax_version=jax_version,
+        points=tuple((f"{p.name} ({role})", p.tokens, m) for _, p, role, m in samples),
     )
-
-
-_RECURRENT_ONLY = (LINEAR_ATTENTION,) * 4
-
-CALIBRATION_POINTS = (
-    CalibrationPoint("tiny T=256", 256),
-    CalibrationPoint("tiny T=512", 512),
-    CalibrationPoint("tiny T=1024", 1024),
-    CalibrationPoint("tiny T=2048", 2048),  # dense attention scores dominate: T^2 terms pinned
-    CalibrationPoint("vocab 8192 T=512", 512, (("vocab_size", 8192),)),
-    CalibrationPoint("16 experts T=512", 512, (("num_experts", 16),)),
-    CalibrationPoint("8 layers T=512", 512, (("num_hidden_layers", 8),)),
-    CalibrationPoint("expert 2 T=512", 512, plan=ShardingPlan(expert=2)),
-    CalibrationPoint("expert 4 T=256", 256, plan=ShardingPlan(expert=4)),
-    CalibrationPoint("no remat T=256", 256, plan=ShardingPlan(remat="none")),
-    CalibrationPoint("8 heads T=512", 512, (("num_attention_heads", 8),)),
-    CalibrationPoint("tiny context 2 T=512", 512, plan=ShardingPlan(context=2)),
-    CalibrationPoint("tiny context 4 T=2048", 2048, plan=ShardingPlan(context=4)),
-    CalibrationPoint(
-        "recurrent only context 2 T=1024",
-        1024,
-        (("layer_types", _RECURRENT_ONLY), ("vocab_size", 512)),
-        plan=ShardingPlan(context=2),
-    ),
-    # Recurrent layers only and a small vocabulary: the layer working set dominates.
-    CalibrationPoint("recurrent only T=1024", 1024, (("layer_types", _RECURRENT_ONLY), ("vocab_size", 512))),
-    CalibrationPoint(
-        "recurrent only wide heads T=512",
-        512,
-        (
-            ("layer_types", _RECURRENT_ONLY),
-            ("vocab_size", 512),
-            ("linear_num_value_heads", 8),
-            ("linear_value_head_dim", 32),
-        ),
-    ),
-    CalibrationPoint(
-        "no remat 8 layers T=256", 256, (("num_hidden_layers", 8),), plan=ShardingPlan(remat="none")
-    ),
-)
-
-VALIDATION_POINTS = (
-    CalibrationPoint("tiny T=768", 768),
-    CalibrationPoint(
-        "recurrent only hidden 128 T=768",
-        768,
-        (("layer_types", _RECURRENT_ONLY), ("vocab_size", 512), ("hidden_size", 128)),
-    ),
-    CalibrationPoint("hidden 128 T=512", 512, (("hidden_size", 128),)),
-    CalibrationPoint("tiny context 2 T=1024", 1024, plan=ShardingPlan(context=2)),
-    CalibrationPoint("tiny context 4 T=1024", 1024, plan=ShardingPlan(context=4)),
-    CalibrationPoint("tiny fsdp 2 expert 2 T=512", 512, plan=ShardingPlan(fsdp=2, expert=2)),
-    CalibrationPoint("tiny no remat T=512", 512, plan=ShardingPlan(remat="none")),
-)
-
-
-def calibrate(base: Qwen35MoeConfig, points: Sequence[CalibrationPoint] = CALIBRATION_POINTS, log=print):
-    samples = []
-    for point in points:
-        config = point.config(base)
-        measured = measure(config, point.plan, point.tokens, cpu_assumptions(point.rows))
-        log(f"measured {point.name}: {measured / 2**20:.1f} MiB")
-        samples.append((config, point, measured))
-    return fit_calibration(samples)
-
-
-def validate(
-    base: Qwen35MoeConfig, calibration: Calibration, points: Sequence[CalibrationPoint] = VALIDATION_POINTS
-) -> list[tuple[str, int, float, float]]:
-    """(name, XLA bytes, predicted bytes, relative error) for each point."""
-    out = []
-    for point in points:
-        config = point.config(base)
-        assumptions = cpu_assumptions(point.rows)
-        measured = measure(config, point.plan, point.tokens, assumptions)
-        predicted = estimate(
-            config, point.plan, point.tokens, assumptions=assumptions, calibration=calibration
-        )
-        out.append((point.name, measured, predicted.total, predicted.total / measured - 1.0))
-    return out

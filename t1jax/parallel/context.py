@@ -8,11 +8,15 @@ Owns the model-level pieces around the ops of ``t1jax.ops.context_parallel``:
   shards (paper §7.2); ``ContextLayout.contiguous(rows, length)`` is the identity. ``prepare``
   turns contiguous-order model inputs into layout order (positions are computed first, in
   contiguous order, since they are within-document indices).
-- ``context_parallel_attention``: exact causal attention of the local queries against all keys.
-  K, V, segment ids and original positions are all-gathered over ``context`` and scattered back
-  into contiguous order, so every query row reduces over exactly the keys, in exactly the order,
-  of the single-device ``attend``; the causal mask compares original positions, which is what
-  makes the interleaved layout correct.
+- ``context_parallel_attention``: causal attention of the local queries against all keys.
+  K, V and segment ids are all-gathered over ``context`` and scattered back into contiguous
+  order; the causal mask compares each local query's original position with the key's, which is
+  what makes the interleaved layout correct. With the blockwise kernel (the default,
+  ``t1jax.ops.flash_attention``) each local query block reads only the key blocks up to its own
+  position, so under the zigzag layout every shard does the same causal work (shard s holds chunks
+  s and 2D-1-s: one early, one late) and no [T/D, T] score block exists; with ``kernel="dense"``
+  each query row reduces over exactly the keys, in exactly the order, of the single-device
+  ``attend``.
 - ``ContextParallelRecurrence`` (a ``RecurrentSequenceOps``): a Gated DeltaNet layer's input is
   relaid from the model's layout to contiguous (``ops.relayout``), the causal conv takes its K-1
   halo from the previous shard and the chunked delta rule relays its state shard to shard
@@ -22,13 +26,16 @@ Why all-gather K/V rather than a ring: Qwen3.5's attention is GQA with 2 KV head
 query heads, so the gathered K/V of a whole 84k-token row is ~170 MB per layer in bf16 (head_dim
 256), small next to the logits; the gather is one collective per layer that XLA can overlap, and it
 keeps the softmax a single exact reduction (a ring with online softmax re-associates the
-normaliser and is not bit-exact). Memory of the dense core is the [T/D, T] score block per head.
+normaliser and is not bit-exact). Memory: the gathered K/V, plus one [block_q, block_k] score
+block per head with the blockwise kernel (the dense core's is [T/D, T]).
 
 Exactness (float32): the recurrent path is bit-identical to one device at the same chunking (the
-ops guarantee it); attention reduces over the same keys in the same order, so it is bit-identical
-whenever the backend's per-row dot products do not depend on how many query rows a call holds
-(true of XLA:CPU in our tests). Gradients re-associate sums across shards (K/V cotangents are
-reduce-scattered), so they match to float32 rounding.
+ops guarantee it); dense attention reduces over the same keys in the same order, so it is
+bit-identical whenever the backend's per-row dot products do not depend on how many query rows a
+call holds (true of XLA:CPU in our tests); blockwise attention visits each row's key blocks in the
+same order as on one device but its query blocks hold other rows, so it matches to float32
+rounding. Gradients re-associate sums across shards (K/V cotangents are reduce-scattered), so they
+match to float32 rounding.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from t1jax.model.attention import attend
+from t1jax.model.execution import DEFAULT_EXECUTION, ExecutionConfig
 from t1jax.model.transformer import positions_within_documents
 from t1jax.ops.context_parallel import (
     PackedSequenceDescriptor,
@@ -51,6 +59,7 @@ from t1jax.ops.context_parallel import (
     context_parallel_gated_delta_rule,
     relayout,
 )
+from t1jax.ops.flash_attention import blockwise_attention
 
 __all__ = [
     "ContextLayout",
@@ -156,13 +165,24 @@ def _to_contiguous_order(x, original_position):
     return jnp.zeros_like(x).at[rows, original_position].set(x, unique_indices=True)
 
 
-def _attention_shard(query, key, value, segment_ids, original_position, *, axis_name, reorder):
+def _attention_shard(query, key, value, segment_ids, original_position, *, axis_name, reorder, execution):
     gather = functools.partial(lax.all_gather, axis_name=axis_name, axis=1, tiled=True)
     all_keys, all_values, all_ids = gather(key), gather(value), gather(segment_ids)
     if reorder:
         all_positions = gather(original_position)
         all_keys, all_values, all_ids = (
             _to_contiguous_order(x, all_positions) for x in (all_keys, all_values, all_ids)
+        )
+    if execution.attention != "dense":
+        return blockwise_attention(
+            query,
+            all_keys,
+            all_values,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=all_ids,
+            q_index=original_position,
+            block_q=execution.attention_block_q,
+            block_k=execution.attention_block_k,
         )
     key_position = jnp.arange(all_ids.shape[1], dtype=jnp.int32)
     mask = (
@@ -185,13 +205,16 @@ def context_parallel_attention(
     batch_axes=None,
     head_axis: str | None = None,
     reorder: bool = True,
+    execution: ExecutionConfig = DEFAULT_EXECUTION,
 ):
     """``attend(query, key, value, packed_causal_mask)`` with T sharded over ``axis_name``.
 
     query [B, T, heads, D], key/value [B, T, kv_heads, D], segment_ids and original_position int32
     [B, T], all in the model's layout (``original_position``: each slot's contiguous position).
     ``head_axis`` shards both head counts (only if it divides both); ``reorder=False`` asserts the
-    layout is contiguous. Returns [B, T, heads, D] in the layout.
+    layout is contiguous. ``execution.attention`` "dense" is the dense core; any other kernel
+    runs blockwise (the splash kernel has no context-parallel form here). Returns
+    [B, T, heads, D] in the layout.
     """
     batch = _spec_entry(_axes(batch_axes))
     if head_axis is not None:
@@ -200,7 +223,7 @@ def context_parallel_attention(
             head_axis = None
     heads = P(batch, axis_name, head_axis, None)
     tokens = P(batch, axis_name)
-    body = functools.partial(_attention_shard, axis_name=axis_name, reorder=reorder)
+    body = functools.partial(_attention_shard, axis_name=axis_name, reorder=reorder, execution=execution)
     return jax.shard_map(
         body,
         mesh=mesh,

@@ -12,7 +12,8 @@ holding ``E / eta`` consecutive experts:
    that owns the expert (``expert_id // (E / eta)``) and, within it, by local expert;
 2. exchange the sizes (one ``all_gather`` of an ``eta``-vector) and then the rows and their local
    expert ids with a ragged all-to-all;
-3. run the local experts on the received rows: sort by local expert, three ``lax.ragged_dot``;
+3. run the local experts on the received rows: sort by local expert, three grouped matmuls
+   (``t1jax.ops.grouped_matmul``: ``lax.ragged_dot``, tiled on CPU);
 4. send the results back with the reverse ragged all-to-all (same sizes, transposed), unsort and
    combine with the gate weights exactly as the single-device function does.
 
@@ -52,6 +53,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
+
+from t1jax.ops.grouped_matmul import grouped_matmul
 
 __all__ = [
     "COLLECTIVES",
@@ -117,10 +120,10 @@ def _local_experts(rows, local_ids, w_gate, w_up, w_down):
     group_sizes = jnp.bincount(
         jnp.where(real, local_ids, 0), weights=real.astype(jnp.int32), length=num_local
     ).astype(jnp.int32)
-    gate = lax.ragged_dot(sorted_rows, w_gate, group_sizes)
-    up = lax.ragged_dot(sorted_rows, w_up, group_sizes)
+    gate = grouped_matmul(sorted_rows, w_gate, group_sizes)
+    up = grouped_matmul(sorted_rows, w_up, group_sizes)
     hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(rows.dtype)
-    out = lax.ragged_dot(hidden, w_down, group_sizes)
+    out = grouped_matmul(hidden, w_down, group_sizes)
     # Rows past the groups are empty slots; ragged_dot leaves them unspecified on some backends.
     filled = jnp.arange(rows.shape[0]) < jnp.sum(group_sizes)
     out = jnp.where(filled[:, None], out, jnp.zeros((), out.dtype))

@@ -86,7 +86,7 @@ def forward_hooks_for(
         head_axis = "tensor" if plan.tensor > 1 else None
         original_position = None if layout_index is None else layout_index.original_position
 
-        def attention(query, key, value, segment_ids):
+        def attention(query, key, value, segment_ids, *, execution):
             position = original_position
             if position is None:  # contiguous layout: slot == position
                 position = jax.lax.broadcasted_iota("int32", segment_ids.shape, 1)
@@ -100,6 +100,7 @@ def forward_hooks_for(
                 batch_axes=batch_axes,
                 head_axis=head_axis,
                 reorder=layout_index is not None,
+                execution=execution,
             )
 
         recurrent = ContextParallelRecurrence.build(

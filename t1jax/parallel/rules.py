@@ -1,19 +1,14 @@
-"""Logical axis names and the table that maps them onto mesh axes.
+"""The rules table that maps the model's logical axis names onto mesh axes, and meshes.
 
-Every parameter of the model carries a tuple of logical axis names (its `out_sharding` metadata,
-one name per dimension); activations are constrained with the same vocabulary through
-`constrain`. This module owns the vocabulary, the default rules table, and the resolution of a
-logical spec into a `PartitionSpec` for a given mesh and array shape.
+The vocabulary of logical names and the resolution mechanism belong to the model
+(`t1jax.model.axes`; re-exported here for callers that shard); this module owns the parallelism's
+side: the mesh axes every t1jax mesh has (`MESH_AXES`), the default rules table (`DEFAULT_RULES`),
+`make_mesh`, and the shardings of a model state resolved from its parameters' names.
 
 Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with sharded parameters), `expert`
-(expert parallel), `tensor` (tensor parallel), and room for `context` (sequence parallel).
-
-Invariants of `resolve_spec`:
-- a mesh axis is used at most once per array;
-- a mesh axis that is missing from the mesh or has size 1 is dropped;
-- a dimension is only sharded over mesh axes whose product divides it (the longest dividing prefix
-  of the rule's axes is kept), so any rules table gives a valid sharding for any shape — too few
-  heads for the tensor axis means replication, never an error.
+(expert parallel), `context` (sequence parallel, used by the trainer's plans), `tensor`.
+A model call under a mesh is sharded by the rules set with `nnx.logical_axis_rules(rules)`; with
+no rules in scope the model adds no sharding constraint (`t1jax.model.axes.constrain`).
 """
 
 from __future__ import annotations
@@ -25,35 +20,37 @@ import jax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from t1jax.model.axes import (  # noqa: F401  (the vocabulary, re-exported for callers that shard)
+    ACT_BATCH,
+    ACT_EMBED,
+    ACT_HEADS,
+    ACT_KV_HEADS,
+    ACT_LENGTH,
+    ACT_MLP,
+    ACT_VOCAB,
+    CONV_KERNEL,
+    EMBED,
+    EXPERT,
+    EXPERT_MLP,
+    HEAD_DIM,
+    KV_HEADS,
+    LINEAR_CONV,
+    LINEAR_HEADS,
+    MLP,
+    NORM,
+    Q_HEADS,
+    ROUTER,
+    VOCAB,
+    LogicalRules,
+    constrain,
+    logical_axes,
+    resolve_spec,
+)
+
 # Every mesh in t1jax has these axes, in this order (sizes 1 where unused). `context` splits the
 # sequence; only the trainer's sharding plans use it (`t1jax.parallel.plan`).
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
-# Logical names of parameter dimensions.
-VOCAB = "vocab"
-EMBED = "embed"  # the model width (hidden_size)
-Q_HEADS = "q_heads"
-KV_HEADS = "kv_heads"
-HEAD_DIM = "head_dim"
-LINEAR_HEADS = "linear_heads"  # Gated DeltaNet value heads
-LINEAR_CONV = "linear_conv"  # Gated DeltaNet conv channels, [q | k | v] concatenated
-CONV_KERNEL = "conv_kernel"
-MLP = "mlp"  # shared-expert intermediate
-EXPERT = "expert"
-EXPERT_MLP = "expert_mlp"  # routed-expert intermediate
-ROUTER = "router"  # the expert axis of the router kernel (kept whole on every device)
-NORM = "norm"
-
-# Logical names of activation dimensions.
-ACT_BATCH = "act_batch"
-ACT_LENGTH = "act_length"
-ACT_EMBED = "act_embed"
-ACT_HEADS = "act_heads"
-ACT_KV_HEADS = "act_kv_heads"
-ACT_VOCAB = "act_vocab"
-ACT_MLP = "act_mlp"
-
-LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 DEFAULT_RULES: LogicalRules = (
     (VOCAB, "tensor"),
@@ -111,77 +108,6 @@ def make_mesh(
         # Device sets without a usable topology (e.g. several slices): the order given.
         grid = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-
-
-def _rules_dict(rules: LogicalRules) -> dict[str, tuple[str, ...]]:
-    out: dict[str, tuple[str, ...]] = {}
-    for logical, mesh_axes in rules:
-        if mesh_axes is None:
-            out[logical] = ()
-        elif isinstance(mesh_axes, str):
-            out[logical] = (mesh_axes,)
-        else:
-            out[logical] = tuple(mesh_axes)
-    return out
-
-
-def resolve_spec(
-    logical: Sequence[str | None] | None,
-    shape: Sequence[int],
-    mesh: Mesh | jax.sharding.AbstractMesh,
-    rules: LogicalRules = DEFAULT_RULES,
-) -> PartitionSpec:
-    """Map one array's logical axis names to a PartitionSpec valid for `shape` on `mesh`."""
-    if logical is None:
-        return PartitionSpec()
-    if len(logical) != len(shape):
-        raise ValueError(f"logical axes {tuple(logical)} do not match the array's rank {len(shape)}")
-    table = _rules_dict(rules)
-    mesh_sizes = dict(mesh.shape)
-    used: set[str] = set()
-    spec: list[str | tuple[str, ...] | None] = []
-    for name, size in zip(logical, shape, strict=True):
-        if name is None:
-            spec.append(None)
-            continue
-        if name not in table:
-            raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(table)}")
-        chosen: list[str] = []
-        product = 1
-        for axis in table[name]:
-            axis_size = mesh_sizes.get(axis, 1)
-            if axis in used or axis_size == 1:
-                continue
-            if size % (product * axis_size) != 0:
-                break
-            chosen.append(axis)
-            product *= axis_size
-        used.update(chosen)
-        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
-    return PartitionSpec(*spec)
-
-
-def current_rules() -> LogicalRules:
-    """Rules set with `nnx.logical_axis_rules(...)`, else `DEFAULT_RULES`."""
-    from flax.core import spmd as core_spmd
-
-    return tuple(core_spmd.get_logical_axis_rules()) or DEFAULT_RULES
-
-
-def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-    """`with_sharding_constraint` by logical names under the mesh set with `jax.set_mesh`;
-    a no-op when no mesh is set (single device, tests, eager use)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or math.prod(mesh.shape.values()) == 1:
-        return x
-    spec = resolve_spec(logical, x.shape, mesh, current_rules())
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
-def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
-    """The logical axis names a model variable was declared with (None: replicated)."""
-    names = variable.get_metadata().get("out_sharding")
-    return tuple(names) if names else None
 
 
 def state_shardings(state: nnx.State, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> nnx.State:

@@ -86,7 +86,7 @@ from t1jax.rl.advantages import gae_advantages, normalize_advantages
 from t1jax.rl.batching import TrainBatch, build_micro_batches, split_into_minibatches
 from t1jax.rl.config import RLConfig
 from t1jax.rl.diagnostics import Moments, explained_variance_from_moments, logprob_gap_sum, masked_moments
-from t1jax.rl.losses import policy_loss, sft_loss, token_logprobs, value_loss
+from t1jax.rl.losses import policy_loss, sft_loss, value_loss
 from t1jax.rl.optim import OptimizerConfig, make_optimizer
 from t1jax.rl.reward import RewardOutcome, summarize_rewards
 from t1jax.tito.types import MixedPolicyVersions, Sample
@@ -104,16 +104,19 @@ class StalenessError(RuntimeError):
 def policy_logprobs(model: nnx.Module, batch: TrainBatch, *, replay_routing: bool) -> jax.Array:
     """log pi(target_ids | prefix) per row, float32[B, T]. With `replay_routing` every MoE layer
     takes its expert selection from `batch.routing` and only the gates come from the live router
-    scores (Eq. 12, Eq. 27); otherwise the model routes by its own top-k."""
+    scores (Eq. 12, Eq. 27); otherwise the model routes by its own top-k. The model's
+    `target_logprobs` applies the LM head in chunks, so no [B, T, vocab] logits exist in any
+    learner program (`t1jax.ops.cross_entropy`)."""
     if replay_routing and batch.routing is None:
         raise ValueError("routing replay requested but the batch carries no routing records")
-    out = model(
+    out = model.target_logprobs(
         batch.input_ids,
+        batch.target_ids,
         segment_ids=batch.segment_ids,
         positions=batch.positions,
         routing_replay=batch.routing if replay_routing else None,
     )
-    return token_logprobs(out.logits, batch.target_ids)
+    return out.logprobs
 
 
 def critic_values(critic: nnx.Module, batch: TrainBatch) -> jax.Array:
@@ -180,9 +183,13 @@ class _Programs:
 
         def planned(batch: TrainBatch, call: Callable[[TrainBatch], jax.Array]) -> jax.Array:
             """call(batch) -> per-token [B, T], run under the plan's forward hooks (and, with
-            context > 1, in the interleaved layout, the result put back in stream order)."""
+            context > 1, in the interleaved layout, the result put back in stream order); on a
+            plain mesh under the default logical rules (the model's activation constraints)."""
             if plan is None:
-                return call(batch)
+                if mesh is None:
+                    return call(batch)
+                with nnx.logical_axis_rules(rules):
+                    return call(batch)
             if plan.context == 1:
                 with parallel_forward(plan, mesh, segment_ids=batch.segment_ids):
                     return call(batch)
@@ -211,7 +218,10 @@ class _Programs:
 
         def like_optimizer_state(tree):
             # Under a plan, the moments are further split over the axes their parameter is
-            # replicated on (the distributed optimizer the capacity model counts).
+            # replicated on (the distributed optimizer the capacity model counts). The float32
+            # gradients and their accumulator take this sharding too: each device keeps only
+            # the slice its optimizer shard updates (a local slice of the parameter-sharded
+            # gradient, since the optimizer sharding refines the parameter sharding).
             if plan is None:
                 return like_params(tree)
             shardings = optimizer_shardings(state_shardings(tree, mesh, rules), tree)
@@ -233,7 +243,7 @@ class _Programs:
                 )
 
             (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
-            return {"value_loss": loss, **aux}, like_params(_float32(grads))
+            return {"value_loss": loss, **aux}, like_optimizer_state(_float32(grads))
 
         def logprobs(params, rest, batch, replay):
             return planned(
@@ -265,7 +275,7 @@ class _Programs:
                 }
 
             (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
-            return {"policy_loss": loss, **aux}, like_params(_float32(grads))
+            return {"policy_loss": loss, **aux}, like_optimizer_state(_float32(grads))
 
         def sft_grad(params, rest, batch, num_loss_tokens, replay):
             def objective(p):
@@ -275,7 +285,7 @@ class _Programs:
                 return sft_loss(logprobs_, batch.action_mask, num_loss_tokens)
 
             (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
-            return {"sft_loss": loss, **aux}, like_params(_float32(grads))
+            return {"sft_loss": loss, **aux}, like_optimizer_state(_float32(grads))
 
         def gae(batch, old_values):
             return gae_advantages(
@@ -337,9 +347,10 @@ def _programs(*key) -> _Programs:
 def learner_programs(
     actor_graphdef, critic_graphdef, config: RLConfig, mesh, plan: ShardingPlan | None = None
 ) -> _Programs:
-    """The jitted programs a `Learner` runs (cached): `actor_grad`, `critic_grad`, `logprobs`,
-    `values`, `apply_actor`, ... `mesh` may be an `AbstractMesh` for lowering without devices
-    (`t1jax.parallel.lowering.lower_learner_updates`)."""
+    """The jitted programs a `Learner` runs (cached): `actor_grad`, `critic_grad`, `sft_grad`,
+    `logprobs`, `values`, `apply_actor`, ... They are the only train step in t1jax: lowering and
+    the capacity calibration compile these (`t1jax.tools.lowering`). `mesh` may be an
+    `AbstractMesh` for lowering without devices."""
     return _programs(
         actor_graphdef,
         critic_graphdef,
@@ -402,8 +413,9 @@ def _plan_mesh(plan: ShardingPlan, mesh: Mesh | None) -> Mesh:
 class Learner:
     """Actor and critic, their optimizers, and one PPO (or SFT) step at a time.
 
-    `actor(input_ids, segment_ids=, positions=, routing_replay=)` must return an object with
-    `.logits` [B, T, V]; `critic(input_ids, segment_ids=, positions=)` values [B, T]. Both are
+    `actor.target_logprobs(input_ids, target_ids, segment_ids=, positions=, routing_replay=)`
+    must return an object with `.logprobs` [B, T] (`Qwen35MoeForCausalLM` does, with its head
+    chunked); `critic(input_ids, segment_ids=, positions=)` values [B, T]. Both are
     split into parameters (trained) and the rest (kept). With `mesh`, parameters are placed by
     their logical axis names (`t1jax.parallel.rules`) and each micro-batch's rows are split over
     the mesh's batch axes; `batching.rows_per_micro_batch` must be a multiple of that split.

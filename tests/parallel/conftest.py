@@ -16,6 +16,11 @@ def tiny_config():
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_config):
+    """Router scores spread out (as trained routers have them) so that top-k has no near-ties: a
+    sharded run re-associates sums (the MoE runs per shard, on another row count), and a tie
+    flipped by the last bit would change a routing choice and everything after it."""
     model = Qwen35MoeForCausalLM(tiny_config, rngs=nnx.Rngs(11))
     randomize_all(model, seed=11)
+    for layer in model.model.layers:
+        layer.mlp.gate.set_value(layer.mlp.gate[...] * 20.0)
     return model

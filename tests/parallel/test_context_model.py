@@ -18,11 +18,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from t1jax.model import Qwen35MoeForCausalLM, with_execution
 from t1jax.model.attention import attend, packed_causal_mask
+from t1jax.model.config import FULL_ATTENTION, LINEAR_ATTENTION
+from t1jax.model.execution import ExecutionConfig
 from t1jax.ops.context_parallel import PackedSequenceDescriptor
+from t1jax.ops.flash_attention import visited_key_blocks
 from t1jax.parallel.context import ContextLayout, context_parallel_attention
 from t1jax.parallel.forward import parallel_forward
 from t1jax.parallel.plan import ShardingPlan, batch_sharding, make_mesh, param_shardings
+from tests.model.model_helpers import randomize_all
 
 ROWS = 2
 
@@ -124,24 +129,93 @@ def test_context_parallel_contiguous_layout_matches_single_device(tiny_model, ti
     np.testing.assert_array_equal(np.asarray(routing), np.asarray(want_routing))
 
 
-@pytest.mark.parametrize("degree", [2, 4, 8])
-def test_context_attention_matches_single_device(degree):
-    """The context-parallel attention core alone, interleaved layout, GQA, packed documents: each
-    query reduces over the same keys in the same order as on one device; XLA:CPU may still tile
-    the [T/D, T] reductions differently from [T, T] ones (last-bit differences at some shapes)."""
+SMALL_BLOCKS = ExecutionConfig(attention_block_q=16, attention_block_k=32)
+
+
+def _attention_case(degree):
     descriptor = _descriptor(degree)
     segment_ids = descriptor.segment_ids()
     rng = np.random.default_rng(degree)
     shape = (ROWS, descriptor.row_length)
     query = rng.standard_normal((*shape, 4, 16)).astype(np.float32)
     key, value = (rng.standard_normal((*shape, 2, 16)).astype(np.float32) for _ in range(2))
+    return descriptor, segment_ids, query, key, value
+
+
+@pytest.mark.parametrize("degree", [2, 4, 8])
+@pytest.mark.parametrize(
+    "execution", [ExecutionConfig(attention="dense"), SMALL_BLOCKS], ids=["dense", "blockwise"]
+)
+def test_context_attention_matches_single_device(degree, execution):
+    """The context-parallel attention core alone, interleaved layout, GQA, packed documents,
+    against the single-device dense attention. Dense: each query reduces over the same keys in
+    the same order as on one device (XLA:CPU may still tile the [T/D, T] reductions differently
+    from [T, T] ones: last-bit differences at some shapes); blockwise (several query and key
+    blocks per shard): the online softmax re-associates the normaliser."""
+    descriptor, segment_ids, query, key, value = _attention_case(degree)
     want = jax.jit(lambda q, k, v, s: attend(q, k, v, packed_causal_mask(s)))(query, key, value, segment_ids)
     mesh = make_mesh(ShardingPlan(context=degree))
     layout = ContextLayout.interleaved(descriptor)
-    run = jax.jit(functools.partial(context_parallel_attention, mesh=mesh))
+    run = jax.jit(functools.partial(context_parallel_attention, mesh=mesh, execution=execution))
     got = run(*(layout.to_layout(a) for a in (query, key, value, segment_ids)), layout.original_position)
     real = segment_ids != 0
     assert _relative(layout.to_contiguous(got), want, real) < 1e-6
+
+
+def test_blockwise_context_attention_gradients_match_single_device():
+    """d query, d key, d value of the blockwise context-parallel attention (D = 4, zigzag layout,
+    K/V cotangents reduce-scattered back to their shards) against one device's dense attention."""
+    degree = 4
+    descriptor, segment_ids, query, key, value = _attention_case(degree)
+    real = segment_ids != 0
+    weight = np.random.default_rng(7).standard_normal(query.shape).astype(np.float32) * real[..., None, None]
+
+    def dense(q, k, v):
+        return jnp.sum(attend(q, k, v, packed_causal_mask(segment_ids)) * weight)
+
+    want = jax.jit(jax.grad(dense, argnums=(0, 1, 2)))(query, key, value)
+    mesh = make_mesh(ShardingPlan(context=degree))
+    layout = ContextLayout.interleaved(descriptor)
+    laid_ids, laid_weight = layout.to_layout(segment_ids), layout.to_layout(weight)
+
+    def sharded(q, k, v):
+        out = context_parallel_attention(
+            q, k, v, laid_ids, layout.original_position, mesh=mesh, execution=SMALL_BLOCKS
+        )
+        return jnp.sum(out * laid_weight)
+
+    got = jax.jit(jax.grad(sharded, argnums=(0, 1, 2)))(*(layout.to_layout(a) for a in (query, key, value)))
+    for g, w in zip(got, want, strict=True):
+        assert _relative(layout.to_contiguous(g), w, np.ones_like(real)) < 1e-5
+
+
+def test_zigzag_layout_balances_blockwise_attention_work():
+    """One document filling the row: under the zigzag layout every context shard's query blocks
+    read the same number of key blocks; in the contiguous layout the last shard reads D times
+    more than the first (the imbalance the zigzag exists to remove, paper §7.2)."""
+    degree, length, block = 4, 1024, 32
+    segment_ids = np.ones((1, length), np.int32)
+    descriptor = PackedSequenceDescriptor.from_documents([[length]], row_length=length, context_degree=degree)
+    layouts = {
+        "zigzag": ContextLayout.interleaved(descriptor).original_position[0],
+        "contiguous": np.arange(length),
+    }
+    work = {}
+    for name, order in layouts.items():
+        per_shard = []
+        for shard in np.split(order, degree):
+            visited = visited_key_blocks(
+                jnp.ones((1, shard.size), jnp.int32),
+                jnp.asarray(segment_ids),
+                jnp.asarray(shard[None], jnp.int32),
+                block_q=block,
+                block_k=block,
+            )
+            per_shard.append(int(np.sum(visited)))
+        work[name] = per_shard
+    assert len(set(work["zigzag"])) == 1
+    assert work["contiguous"][-1] > (degree + 1) * work["contiguous"][0]
+    assert sum(work["zigzag"]) == sum(work["contiguous"])
 
 
 def _token_loss(logits, targets, mask):
@@ -203,14 +277,35 @@ def test_train_forward_and_gradients_match_single_device(tiny_model, tiny_config
     device. Gradients re-associate sums over tokens and devices (FSDP reduce-scatters, K/V
     cotangent reduce-scatters, EP returns): parameters whose gradient is a heavily cancelling sum
     (A_log, dt_bias) see ~1e-4 of their own (small) scale, the whole gradient ~1e-6 in L2."""
+    _check_train_step(tiny_model, tiny_model, tiny_config, plan)
+
+
+@pytest.mark.slow
+def test_scanned_layers_under_a_plan_match_the_unrolled_single_device_step(tiny_config):
+    """The layer scan (three repeats of a [linear, full] period, each layer rematerialised inside
+    the scan body) with expert and context parallelism, against the unrolled single-device step."""
+    types = (LINEAR_ATTENTION, FULL_ATTENTION) * 3
+    model = Qwen35MoeForCausalLM(
+        tiny_config.replace(num_hidden_layers=6, layer_types=types), rngs=nnx.Rngs(5)
+    )
+    randomize_all(model, seed=5)
+    for layer in model.model.layers:
+        layer.mlp.gate.set_value(layer.mlp.gate[...] * 20.0)
+    scanned = with_execution(model, ExecutionConfig(scan_layers=True))
+    plan = ShardingPlan(name="fsdp2-expert2-context2", fsdp=2, expert=2, context=2)
+    _check_train_step(model, scanned, tiny_config, plan)
+
+
+def _check_train_step(reference_model, sharded_model, tiny_config, plan):
     descriptor, segment_ids, input_ids, targets, mask = _grad_case(tiny_config, plan.context)
-    graphdef, state = nnx.split(tiny_model)
+    graphdef, state = nnx.split(reference_model)
     _, replay = _single_forward(graphdef)(state, input_ids, segment_ids)
     replay = np.asarray(replay)
     (want_loss, want_logits), want_grads = _single_train_grad(graphdef)(
         state, input_ids, segment_ids, replay, targets, mask
     )
 
+    graphdef = nnx.graphdef(sharded_model)
     mesh = make_mesh(plan)
     layout = ContextLayout.interleaved(descriptor)
     batch = layout.prepare(input_ids, segment_ids, routing_replay=replay)

@@ -1,48 +1,49 @@
 """``t1jax plan``: every sharding plan for a model, a device count, a per-device memory budget and a
-token wall, ranked by the capacity model (``t1jax.parallel.capacity``), with the reason each
-infeasible plan fails.
+token wall, ranked by the capacity model of the learner (``t1jax.parallel.capacity``), with the
+reason each infeasible plan fails.
 
-Owns the command's arguments and its report; the numbers come from ``capacity.estimate``. The token
-wall is padded per plan to what the context-parallel scan needs (a multiple of context x chunk),
-and the padded length is what the plan is charged for.
+Owns the command's arguments and its report; the numbers come from ``capacity.estimate`` (the
+larger of the learner's actor and critic steps with everything the learner keeps resident). The
+model's execution settings (attention kernel, head chunking, layer scan) come from the preset's
+``execution:`` section unless overridden. The token wall is padded per plan to what the
+context-parallel scan needs (a multiple of context x chunk), and the padded length is what the
+plan is charged for. ``--lower`` lowers the learner's own gradient programs of the evaluated plans
+on their abstract meshes (``t1jax.tools.lowering``); ``--calibrate`` refits the coefficients to
+compilations of those programs on the local (CPU) devices and prints the validation errors.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from collections import Counter
 from pathlib import Path
 
 from t1jax.model.config import Qwen35MoeConfig, load_config
+from t1jax.model.execution import load_execution
 from t1jax.parallel import capacity
-from t1jax.parallel.plan import ShardingPlan, load_plan
+from t1jax.parallel.capacity import padded_tokens
+from t1jax.parallel.plan import load_plan
 
 GIB = capacity.GIB
 COLUMNS = (
     ("weights", "weights"),
     ("gradients", "grads"),
     ("optimizer", "optim"),
+    ("other_network", "other"),
+    ("retained", "retain"),
     ("batch", "batch"),
     ("boundary", "bound"),
+    ("scan_copy", "scan"),
     ("layer", "layer"),
     ("dispatch", "moe"),
-    ("ragged_dense", "ragged"),
     ("saved", "saved"),
     ("attention_scores", "scores"),
     ("attention_mask", "mask"),
+    ("attention_blocks", "blocks"),
     ("logits", "logits"),
     ("residue", "resid"),
 )
-
-
-def padded_tokens(tokens: int, plan: ShardingPlan, chunk_size: int) -> int:
-    """The smallest length >= ``tokens`` the plan can run: a multiple of context x chunk."""
-    if plan.context == 1:
-        return tokens
-    unit = plan.context * chunk_size
-    return math.ceil(tokens / unit) * unit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,15 +58,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-dtype", default="bfloat16", choices=sorted(capacity.DTYPE_BYTES))
     parser.add_argument(
         "--attention",
-        default="dense",
-        choices=("dense", "flash"),
-        help="dense: t1jax's attention core ([T/cp, T] scores); flash: a blockwise kernel (no scores)",
+        choices=("blockwise", "flash", "dense"),
+        help="attention kernel (default: the preset's execution.attention); blockwise (alias flash): "
+        "t1jax's blockwise kernel, no [T, T] scores; dense: the reference core ([T/cp, T] scores)",
     )
     parser.add_argument(
-        "--ragged-dot",
-        default="grouped",
-        choices=("grouped", "dense"),
-        help="grouped: TPU/GPU ragged_dot kernels; dense: XLA:CPU's lowering",
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the layer scan's stacked parameter copy (default: the preset's execution.scan_layers)",
+    )
+    parser.add_argument(
+        "--residency",
+        default="co-resident",
+        choices=capacity.RESIDENCY,
+        help="co-resident: both networks' state on the devices, as the learner keeps it; offload: "
+        "only the running network's (the paper's forced offload: each must fit alone)",
+    )
+    parser.add_argument(
+        "--retained-versions",
+        type=int,
+        default=2,
+        help="published actor versions the learner keeps (ppo.retained_versions; co-resident only)",
+    )
+    parser.add_argument(
+        "--platform",
+        default="tpu",
+        choices=("tpu", "gpu", "cpu"),
+        help="the backend the learner runs on (cpu: the 'auto' MoE collective is the padded one)",
     )
     parser.add_argument("--remat", default="layer", choices=("layer", "none"))
     parser.add_argument("--pipeline", default="1", help="comma-separated pipeline degrees to consider")
@@ -83,6 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="recompile the tiny model's train step, refit the calibration, print validation errors",
     )
     parser.add_argument("--calibration-out", type=Path, help="with --calibrate: where to write the JSON")
+    parser.add_argument(
+        "--lower",
+        action="store_true",
+        help="also lower the learner's actor and critic gradient programs of each evaluated plan "
+        "on its abstract mesh (TPU lowering rules; slow for a large model)",
+    )
 
 
 def _gib(x: float) -> str:
@@ -105,28 +131,41 @@ def _row(rank, estimate: capacity.MemoryEstimate) -> str:
     budget = estimate.budget or 0.0
     plan = estimate.plan
     return (
-        f"{rank:>4} {plan.label():<30} {plan.batch_shards:>5} {estimate.tokens:>7} {cells} "
-        f"{_gib(estimate.total)} {_gib(budget - estimate.total)}"
+        f"{rank:>4} {plan.label():<30} {plan.batch_shards:>5} {estimate.tokens:>7} {estimate.role:>6} "
+        f"{cells} {_gib(estimate.total)} {_gib(budget - estimate.total)}"
     )
 
 
 def _header() -> str:
     cells = " ".join(f"{label:>7}" for _, label in COLUMNS)
-    return f"{'rank':>4} {'plan (degrees)':<30} {'seqs':>5} {'T':>7} {cells} {'total':>7} {'free':>7}"
+    return (
+        f"{'rank':>4} {'plan (degrees)':<30} {'seqs':>5} {'T':>7} {'role':>6} {cells} {'total':>7} "
+        f"{'free':>7}"
+    )
+
+
+def _assumptions(args: argparse.Namespace) -> capacity.MemoryAssumptions:
+    execution = load_execution(args.config)
+    if args.attention is not None:
+        execution = execution.replace(attention="dense" if args.attention == "dense" else "blockwise")
+    if args.scan_layers is not None:
+        execution = execution.replace(scan_layers=args.scan_layers)
+    return capacity.MemoryAssumptions(
+        param_dtype=args.param_dtype,
+        compute_dtype=args.compute_dtype,
+        platform=args.platform,
+        rows=args.rows,
+        residue_fraction=args.residue_fraction,
+        residency=args.residency,
+        retained_versions=args.retained_versions,
+    ).with_execution(execution)
 
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.calibrate:
         return _calibrate(args)
-    assumptions = capacity.MemoryAssumptions(
-        param_dtype=args.param_dtype,
-        compute_dtype=args.compute_dtype,
-        ragged_dot=args.ragged_dot,
-        attention=args.attention,
-        rows=args.rows,
-        residue_fraction=args.residue_fraction,
-    )
+    assumptions = _assumptions(args)
     calibration = (
         capacity.Calibration.load(args.calibration) if args.calibration else capacity.default_calibration()
     )
@@ -138,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         device_text = "/".join(str(d) for d in sorted(devices))
     else:
         if not args.devices:
-            raise SystemExit("t1jax plan: give --devices (or --plan)")
+            raise ValueError("give --devices (or --plan)")
         pipelines = [int(p) for p in args.pipeline.split(",") if p]
         plans = capacity.candidate_plans(args.devices, pipelines=pipelines, remat=args.remat)
         device_text = str(args.devices)
@@ -157,12 +196,22 @@ def run(args: argparse.Namespace) -> int:
         f"devices {device_text} x {args.memory_gb:g} GiB, token wall {args.tokens:,} x {args.rows} "
         f"row(s) per batch shard; params {args.param_dtype}"
         f"{' + float32 master' if assumptions.master_weights else ''}, Adam float32, remat {args.remat}, "
-        f"attention {args.attention}, ragged_dot {args.ragged_dot}, residue {args.residue_fraction:.0%} of M"
+        f"attention {assumptions.attention}, head in chunks of ~{assumptions.logits_chunk} positions, "
+        f"scan_layers {assumptions.scan_layers}, platform {args.platform}, "
+        f"residue {args.residue_fraction:.0%} of M"
+    )
+    if assumptions.residency == "co-resident":
+        resident = f"both networks resident, {assumptions.retained_versions} retained actor versions"
+    else:
+        resident = "only the running network resident"
+    print(
+        f"learner: actor and critic steps time-share the devices; {assumptions.residency} ({resident}); "
+        "each row is the larger step (role column)"
     )
     print(
         f"calibration: {args.calibration or 'configs/capacity/cpu_tiny.json'} ({calibration.backend}, jax "
         f"{calibration.jax_version}): c_act {calibration.activation:.3f}, c_moe {calibration.dispatch:.3f}, "
-        f"c_ragged {calibration.ragged:.3f}, c_saved {calibration.saved:.3f}, "
+        f"c_saved {calibration.saved:.3f}, c_block {calibration.blocks:.3f}, "
         f"c_attn {calibration.attention:.3f}, c_mask {calibration.mask:.3f}, "
         f"c_logit {calibration.logits:.3f}, "
         f"b0 {calibration.residue_bytes / 2**20:.1f} MiB"
@@ -190,28 +239,57 @@ def run(args: argparse.Namespace) -> int:
         print(f"not splittable: {len(unsplittable)} plans")
         for reason, count in reasons.most_common():
             print(f"  {count:>4} x {reason}")
+    if args.lower:
+        _lower(config, [e for e in estimates if not e.problems], assumptions)
     return 0 if feasible else 1
+
+
+def _lower(config: Qwen35MoeConfig, estimates, assumptions: capacity.MemoryAssumptions) -> None:
+    import jax.numpy as jnp
+
+    from t1jax.tools.lowering import lower_learner_programs
+
+    print()
+    print("lowering the learner's gradient programs on each plan's abstract mesh (TPU rules):")
+    for estimate in estimates:
+        reports = lower_learner_programs(
+            config,
+            estimate.plan,
+            estimate.tokens,
+            rows=assumptions.rows,
+            param_dtype=getattr(jnp, assumptions.param_dtype),
+            compute_dtype=getattr(jnp, assumptions.compute_dtype),
+            execution=assumptions.execution(),
+        )
+        for name, report in reports.items():
+            print(
+                f"  {estimate.plan.label():<30} {name:<11} lowered: trace {report.seconds_trace:5.1f} s, "
+                f"lower {report.seconds_lower:5.1f} s, {report.arguments} arrays, "
+                f"{report.hlo_chars / 1e6:.1f} MB of StableHLO"
+            )
 
 
 def _calibrate(args: argparse.Namespace) -> int:
     import jax
 
     if jax.default_backend() == "cpu" and len(jax.devices()) < 8:
-        raise SystemExit(
-            "t1jax plan --calibrate compiles 2- and 4-device plans: run it with 8 CPU devices, e.g. "
+        raise ValueError(
+            "--calibrate compiles 2- and 4-device plans: run it with 8 CPU devices, e.g. "
             "XLA_FLAGS=--xla_force_host_platform_device_count=8 t1jax plan --calibrate ..."
         )
+    from t1jax.tools.lowering import calibrate, validate
+
     base = load_config(args.config)
-    calibration = capacity.calibrate(base)
+    calibration = calibrate(base)
     out = args.calibration_out or (capacity.CALIBRATION_DIR / "cpu_tiny.json")
     calibration.save(out)
     print(f"wrote {out}")
     print(calibration.to_json())
     worst = 0.0
-    for name, measured, predicted, error in capacity.validate(base, calibration):
+    for name, measured, predicted, error in validate(base, calibration):
         worst = max(worst, abs(error))
         print(
-            f"validate {name:<32} XLA {measured / 2**20:9.1f} MiB  "
+            f"validate {name:<44} XLA {measured / 2**20:9.1f} MiB  "
             f"model {predicted / 2**20:9.1f} MiB  {error:+.1%}"
         )
     print(f"worst validation error {worst:.1%}")

@@ -1,0 +1,109 @@
+"""How the model computes, as opposed to what it computes: kernels, blocking, layer structure.
+
+`ExecutionConfig` is an argument of the model constructors (like the dtypes), never part of the
+architecture (`Qwen35MoeConfig` mirrors transformers' config and round-trips through
+`config.json`). A YAML preset may carry it under an `execution:` key next to `model:`
+(`load_execution`); a checkpoint directory never does.
+
+Fields:
+- `attention`: the attention core of the training forward and the prefill.
+  "blockwise" (default): `t1jax.ops.flash_attention`, pure JAX on every backend, no [T, T] scores.
+  "dense": the plain softmax over a [T, T] mask (the reference the others are tested against).
+  "splash": Pallas' TPU splash-attention kernel (`t1jax.ops.splash_attention`) for the training
+  forward without context parallelism (context-parallel attention and the prefill use the
+  blockwise kernel); off TPU it runs only with `pallas_interpret` (Pallas' interpreter: tests).
+- `attention_block_q`, `attention_block_k`: query / key block lengths of the blockwise and splash
+  kernels (splash needs multiples of 128).
+- `logits_chunk`: the LM head's log-probabilities (`target_logprobs`) are computed in chunks of
+  about this many positions per row, so no float32 [B, T, vocab] logit tensor is formed.
+- `scan_layers`: the training forward runs the decoder as a `lax.scan` over repeats of the
+  layer-type period (Qwen3.5: [linear x 3, full x 1]), compiling one period instead of every
+  layer; the numerics are those of the unrolled loop.
+
+Invariant: every setting computes the same function (up to float32 re-association); none changes
+a parameter, its name or its layout. The decode step (`decode_step`) is not governed by it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+ATTENTION_KERNELS = ("blockwise", "dense", "splash")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionConfig:
+    """Kernel and structure choices of the model's forward (see module docstring)."""
+
+    attention: str = "blockwise"
+    attention_block_q: int = 512
+    attention_block_k: int = 512
+    logits_chunk: int = 1024
+    scan_layers: bool = False
+    pallas_interpret: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"execution.attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}"
+            )
+        for name in ("attention_block_q", "attention_block_k", "logits_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"execution.{name} must be a positive int, got {value!r}")
+        if self.attention == "splash":
+            for name in ("attention_block_q", "attention_block_k"):
+                if getattr(self, name) % 128:
+                    raise ValueError(
+                        f"execution.{name} must be a multiple of 128 for the splash kernel, "
+                        f"got {getattr(self, name)}"
+                    )
+
+    def replace(self, **changes: Any) -> ExecutionConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, source: str = "execution") -> ExecutionConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown execution keys {unknown}; expected a subset of {sorted(known)}"
+            )
+        return cls(**dict(values))
+
+
+DEFAULT_EXECUTION = ExecutionConfig()
+
+
+def with_execution(module, execution: ExecutionConfig):
+    """A copy of a model (actor, critic, backbone) that computes with `execution`; it shares the
+    parameter arrays of `module` (no copy), which keeps its own settings."""
+    from flax import nnx
+
+    copy = nnx.clone(module)
+    for _, child in nnx.iter_modules(copy):
+        if hasattr(child, "execution"):
+            child.execution = execution
+    return copy
+
+
+def load_execution(path: str | Path) -> ExecutionConfig:
+    """The `execution:` section of a YAML model preset (defaults where absent or for a
+    checkpoint directory / `config.json`)."""
+    path = Path(path)
+    if path.is_dir() or path.suffix not in (".yaml", ".yml"):
+        return ExecutionConfig()
+    import yaml
+
+    with path.open() as f:
+        preset = yaml.safe_load(f)
+    section = preset.get("execution") if isinstance(preset, Mapping) else None
+    if section is None:
+        return ExecutionConfig()
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{path}: execution must be a mapping, got {type(section).__name__}")
+    return ExecutionConfig.from_mapping(section, source=f"{path}: execution")
