@@ -5,6 +5,8 @@ Each subcommand lives in its own module and contributes ``add_arguments(parser)`
 does not pay for the trainer's imports and vice versa).
 
 - ``t1jax plan``: rank sharding plans by per-device memory (``t1jax.parallel.planner``).
+- ``t1jax tasks generate``: write the synthetic task suite (``t1jax.data.tasks_cli``).
+- ``t1jax sft``: demonstrations -> SFT warm start -> checkpoint (``t1jax.sft.cli``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("t1jax.parallel.planner", "rank sharding plans by the per-device memory model (paper Eq. 21)"),
+    "tasks": ("t1jax.data.tasks_cli", "synthetic task suite: `tasks generate --out DIR --n N --seed S`"),
+    "sft": ("t1jax.sft.cli", "SFT warm start: demonstrations in sandboxes -> cross-entropy -> checkpoint"),
 }
 
 

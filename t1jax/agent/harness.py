@@ -100,6 +100,7 @@ class HarnessConfig:
     terminal: TerminalMode = TerminalMode.TMUX
     require_routing: bool = True  # MoE policies: a result without routing aborts the trial
     trim_routing: bool = True  # keep only the routing rows the stitched stream takes from a turn
+    prompt_profile: str = "full"  # system prompt + tool schemas: a key of prompts.PROMPT_PROFILES
 
     def __post_init__(self) -> None:
         positive = (
@@ -144,6 +145,11 @@ class HarnessConfig:
                 f"system prompt; lower summary_max_tokens or disable compaction"
             )
         object.__setattr__(self, "terminal", TerminalMode(self.terminal))
+        if self.prompt_profile not in prompts.PROMPT_PROFILES:
+            raise ValueError(
+                f"HarnessConfig.prompt_profile must be one of {sorted(prompts.PROMPT_PROFILES)}, "
+                f"got {self.prompt_profile!r}"
+            )
 
 
 class _TrialEnded(Exception):
@@ -210,6 +216,7 @@ class _Trial:
             else ExecTerminal(sandbox, config.max_output_bytes)
         )
         self.workdir = task.environment.workdir
+        self.profile = prompts.PROMPT_PROFILES[config.prompt_profile]
         self.segments: list[list[Turn]] = [[]]
         self.compactions: list[CompactionEvent] = []
         self.stats = TrialStats()
@@ -248,7 +255,9 @@ class _Trial:
         )
 
     def _loop(self) -> tuple[TrialStatus, str]:
-        prompt = self._encode_messages(prompts.initial_messages(self.task.instruction, self.workdir))
+        prompt = self._encode_messages(
+            prompts.initial_messages(self.task.instruction, self.workdir, self.profile.system_prompt)
+        )
         glue_start = 0
         confirm_pending = False
         while True:
@@ -468,7 +477,7 @@ class _Trial:
 
     def _encode_messages(self, messages: Sequence[Message]) -> np.ndarray:
         return self.tokenizer.encode_pieces(
-            render_pieces(messages, tools=prompts.TOOLS, add_generation_prompt=True)
+            render_pieces(messages, tools=self.profile.tools, add_generation_prompt=True)
         )
 
     def _glue(self, completion_ids: np.ndarray, messages: Sequence[Message]) -> np.ndarray:
@@ -594,7 +603,12 @@ class _Trial:
         for kept_summary, kept_chars, kept_recent in candidates:
             prompt = self._encode_messages(
                 prompts.compacted_messages(
-                    self.task.instruction, self.workdir, kept_summary, note, kept_recent
+                    self.task.instruction,
+                    self.workdir,
+                    kept_summary,
+                    note,
+                    kept_recent,
+                    self.profile.system_prompt,
                 )
             )
             if self._action_budget(len(prompt)) >= self.config.min_turn_tokens:
