@@ -11,9 +11,14 @@ Inspection steps (`Step.inspect`) name a file or value only indirectly ("the one
 use what it printed; the reference solution knows the value, the demonstrator runs the inspection
 command and then acts on what it showed.
 
-Slot values are words of `SLOT_WORDS`: each is a single token of the project BPE both after a
-space and after a slash (`/report`, ` report`), so copying a name is copying one token; numbers
-are small. This is a deliberate lever for tiny models (short slot values), not an accident.
+Slot values are words of `SLOT_WORDS`: 16 words, each a single token of the project BPE both
+after a space and after a slash (`/report`, ` report`), so copying a name is copying one token
+out of a small set; numbers are single digits or two. This is a deliberate lever for tiny models
+(short slot values from a small vocabulary: a 0.5M-parameter model learns to copy 8-16 distinct
+tokens within a few hundred steps, and not 96 within thousands), not an accident. Names of
+files and directories directly under /app are unique within a task (`Slots.top`); other values
+(file names inside a step's own directory, keys, contents, branch names) are unique within a
+step (`Slots.word`).
 
 Invariants (checked by `tests/data_gen`): a step's checks pass after its `inspect + actions`
 and at least one fails when nothing was done; every mistake fails at least one check (most pass
@@ -23,24 +28,16 @@ words (and /root/.bashrc, used by one idiom only), so the steps of one task neve
 
 from __future__ import annotations
 
-import keyword
 import random
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# Single tokens of the project BPE after ' ' and after '/' (measured on t1jax-bpe-2048.json).
+# Single tokens of the project BPE after ' ' and after '/' (measured on t1jax-bpe-2048.json),
+# valid Python identifiers, none a substring of another.
 SLOT_WORDS = (
-    "archive backup binary branch buffer build cache checksum client code column commit "
-    "compiler config container cpu data database dependency diff directory disk environment error "
-    "file function group hash header image index input install job key library limit linker lock "
-    "log memory merge message method migration model module mount network object output package "
-    "parser patch path permission port process query queue record release report request response "
-    "result retry row schema script secret server service signal signature socket source status "
-    "stream table target task test thread timeout token user value variable version volume warning "
-    "worker"
+    "backup build cache config data index input model output queue report server table token user value"
 ).split()
-IDENTIFIER_WORDS = tuple(w for w in SLOT_WORDS if not keyword.iskeyword(w))
 
 CATEGORIES = (
     "scripting",
@@ -105,20 +102,31 @@ class Step:
 
 
 class Slots:
-    """Fresh slot values for one task: words never repeat within the task."""
+    """Fresh slot values for one task. `top` names (files and directories directly under /app)
+    never repeat within the task, so steps cannot touch each other's files; `word` values never
+    repeat within a step (`begin_step` starts a new one)."""
 
     def __init__(self, rng: random.Random):
         self.rng = rng
-        self._used: set[str] = set()
+        self._top: set[str] = set()
+        self._step: set[str] = set()
 
-    def word(self, pool: tuple[str, ...] | list[str] = SLOT_WORDS) -> str:
-        choices = [w for w in pool if w not in self._used]
-        word = self.rng.choice(choices)
-        self._used.add(word)
+    def begin_step(self) -> None:
+        self._step = set()
+
+    def top(self) -> str:
+        word = self.rng.choice([w for w in SLOT_WORDS if w not in self._top and w not in self._step])
+        self._top.add(word)
+        self._step.add(word)
         return word
 
-    def words(self, count: int, pool: tuple[str, ...] | list[str] = SLOT_WORDS) -> list[str]:
-        return [self.word(pool) for _ in range(count)]
+    def word(self) -> str:
+        word = self.rng.choice([w for w in SLOT_WORDS if w not in self._step])
+        self._step.add(word)
+        return word
+
+    def words(self, count: int) -> list[str]:
+        return [self.word() for _ in range(count)]
 
     def number(self, low: int, high: int) -> int:
         return self.rng.randint(low, high)
@@ -161,7 +169,7 @@ def _module(path: str) -> str:
 
 
 def script_echo(s: Slots) -> Step:
-    name, word = s.word(), s.word()
+    name, word = s.top(), s.word()
     path = f"/app/{name}.sh"
     script = f"#!/bin/sh\necho {word}\n"
     return Step(
@@ -179,7 +187,7 @@ def script_echo(s: Slots) -> Step:
 
 
 def script_count_arg(s: Slots) -> Step:
-    name, sample = s.word(), s.word()
+    name, sample = s.top(), s.top()
     path, sample_path = f"/app/{name}.sh", f"/app/{sample}.txt"
     count = s.number(3, 9)
     script = '#!/bin/sh\nwc -l < "$1"\n'
@@ -203,7 +211,7 @@ def script_count_arg(s: Slots) -> Step:
 
 
 def make_files(s: Slots) -> Step:
-    directory, *names = s.words(4)
+    directory, names = s.top(), s.words(3)
     root = f"/app/{directory}"
     paths = [f"{root}/{n}.txt" for n in names]
     listed = ", ".join(f"{n}.txt" for n in names[:-1]) + f" and {names[-1]}.txt"
@@ -221,7 +229,7 @@ def make_files(s: Slots) -> Step:
 
 
 def run_only_script(s: Slots) -> Step:
-    directory, script, out, word = s.words(4)
+    directory, out, script, word = s.top(), s.top(), s.word(), s.word()
     root, out_path = f"/app/{directory}", f"/app/{out}.txt"
     path = f"{root}/{script}.sh"
     return Step(
@@ -245,7 +253,7 @@ def _two_functions(fixed: str, other: str, body: str) -> str:
 
 
 def fix_operator(s: Slots) -> Step:
-    module, fixed, other = s.word(), s.word(IDENTIFIER_WORDS), s.word(IDENTIFIER_WORDS)
+    module, fixed, other = s.top(), s.word(), s.word()
     path = f"/app/{module}.py"
     return Step(
         "fix_operator",
@@ -262,7 +270,7 @@ def fix_operator(s: Slots) -> Step:
 
 
 def append_function(s: Slots) -> Step:
-    module, existing, new = s.word(), s.word(IDENTIFIER_WORDS), s.word(IDENTIFIER_WORDS)
+    module, existing, new = s.top(), s.word(), s.word()
     path = f"/app/{module}.py"
     value = s.number(2, 9)
     code = f"def {new}():\n    return {value}\n"
@@ -281,7 +289,7 @@ def append_function(s: Slots) -> Step:
 
 
 def rename_function(s: Slots) -> Step:
-    module, old, new = s.word(), s.word(IDENTIFIER_WORDS), s.word(IDENTIFIER_WORDS)
+    module, old, new = s.top(), s.word(), s.word()
     path = f"/app/{module}.py"
     code = f"def {old}(x):\n    return x + 1\n\n\ndef total():\n    return {old}(1) + {old}(2)\n"
     return Step(
@@ -304,7 +312,7 @@ def rename_function(s: Slots) -> Step:
 
 
 def private_key(s: Slots) -> Step:
-    name = s.word()
+    name = s.top()
     path = f"/app/{name}.key"
     secret = s.word()
     return Step(
@@ -322,7 +330,7 @@ def private_key(s: Slots) -> Step:
 
 
 def symlink(s: Slots) -> Step:
-    target, link = s.word(), s.word()
+    target, link = s.top(), s.top()
     target_path, link_path = f"/app/{target}.txt", f"/app/{link}"
     text = f"{s.word()}\n"
     return Step(
@@ -340,7 +348,7 @@ def symlink(s: Slots) -> Step:
 
 
 def cron_line(s: Slots) -> Step:
-    table, job, old_job = s.words(3)
+    table, job, old_job = s.top(), s.word(), s.word()
     path = f"/app/{table}.cron"
     hour = s.number(1, 9)
     existing = f"30 5 * * * /app/{old_job}.sh"
@@ -361,7 +369,7 @@ def cron_line(s: Slots) -> Step:
 
 
 def clean_logs(s: Slots) -> Step:
-    directory, *names = s.words(4)
+    directory, names = s.top(), s.words(3)
     root = f"/app/{directory}"
     logs = [f"{root}/{n}.log" for n in names[:2]]
     kept = f"{root}/{names[2]}.txt"
@@ -380,7 +388,7 @@ def clean_logs(s: Slots) -> Step:
 
 
 def owner_home(s: Slots) -> Step:
-    config, user, group, homes = s.words(4)
+    config, homes, user, group = s.top(), s.top(), s.word(), s.word()
     path = f"/app/{config}.conf"
     home = f"/app/{homes}/{user}"
     return Step(
@@ -403,7 +411,7 @@ def owner_home(s: Slots) -> Step:
 
 
 def pin_requirement(s: Slots) -> Step:
-    name, package, other = s.words(3)
+    name, package, other = s.top(), s.word(), s.word()
     path = f"/app/{name}.txt"
     major, minor = s.number(1, 9), s.number(0, 9)
     existing = f"{other}==1.0"
@@ -424,7 +432,7 @@ def pin_requirement(s: Slots) -> Step:
 
 
 def ini_set(s: Slots) -> Step:
-    name, key, old, new, other_key, other_value = s.words(6)
+    name, (key, old, new, other_key, other_value) = s.top(), s.words(5)
     path = f"/app/{name}.ini"
     return Step(
         "ini_set",
@@ -441,7 +449,7 @@ def ini_set(s: Slots) -> Step:
 
 
 def copy_setting(s: Slots) -> Step:
-    name, key, value, other_key, other_value, out = s.words(6)
+    name, out, (key, value, other_key, other_value) = s.top(), s.top(), s.words(4)
     path, out_path = f"/app/{name}.ini", f"/app/{out}.txt"
     return Step(
         "copy_setting",
@@ -456,7 +464,7 @@ def copy_setting(s: Slots) -> Step:
 
 
 def path_entry(s: Slots) -> Step:
-    directory = s.word()
+    directory = s.top()
     entry = f"/app/{directory}/bin"
     return Step(
         "path_entry",
@@ -485,7 +493,7 @@ def path_entry(s: Slots) -> Step:
 
 def _repository(s: Slots) -> tuple[str, EnvFile, str]:
     """A git repository /app/<word> with one commit on main (files, build command)."""
-    repo = f"/app/{s.word()}"
+    repo = f"/app/{s.top()}"
     readme = EnvFile(f"{repo}/README.md", f"# {s.word()}\n")
     build = (
         f"git init -q -b main {repo} && git -C {repo} config user.name demo && "
@@ -583,7 +591,7 @@ def ignore_pattern(s: Slots) -> Step:
 
 
 def count_lines(s: Slots) -> Step:
-    source, out = s.word(), s.word()
+    source, out = s.top(), s.top()
     source_path, out_path = f"/app/{source}.txt", f"/app/{out}.txt"
     count = s.number(3, 9)
     return Step(
@@ -598,7 +606,7 @@ def count_lines(s: Slots) -> Step:
 
 
 def grep_ignore_case(s: Slots) -> Step:
-    source, out, word = s.words(3)
+    source, out, word = s.top(), s.top(), s.word()
     source_path, out_path = f"/app/{source}.log", f"/app/{out}.txt"
     others = [w for w in SLOT_WORDS if w != word]
     lines = [f"ok {s.rng.choice(others)}", f"{word.upper()} at start", f"ok {s.rng.choice(others)}",
@@ -617,7 +625,7 @@ def grep_ignore_case(s: Slots) -> Step:
 
 
 def sort_numbers(s: Slots) -> Step:
-    source, out = s.word(), s.word()
+    source, out = s.top(), s.top()
     source_path, out_path = f"/app/{source}.txt", f"/app/{out}.txt"
     # One- and two-digit numbers, one of them 1x: as text "1x" sorts before "2", so `sort` without
     # -n always gets the order wrong.
@@ -638,7 +646,7 @@ def sort_numbers(s: Slots) -> Step:
 
 
 def csv_column(s: Slots) -> Step:
-    source, out, *header = s.words(5)
+    source, out, header = s.top(), s.top(), s.words(3)
     source_path, out_path = f"/app/{source}.csv", f"/app/{out}.txt"
     rows = [[s.rng.choice(SLOT_WORDS) for _ in header] for _ in range(s.number(2, 4))]
     table = [header, *rows]
@@ -657,7 +665,7 @@ def csv_column(s: Slots) -> Step:
 
 
 def distinct_lines(s: Slots) -> Step:
-    source, out = s.word(), s.word()
+    source, out = s.top(), s.top()
     source_path, out_path = f"/app/{source}.txt", f"/app/{out}.txt"
     values = s.words(3)
     lines = [values[0], values[1], values[0], values[2], values[1]]  # repeats not adjacent
@@ -683,7 +691,7 @@ _TYPOS = (("ehco", "echo"), ("pritnf", "printf"), ("dtae", "date"), ("slep", "sl
 
 
 def fix_command_typo(s: Slots) -> Step:
-    name, word = s.word(), s.word()
+    name, word = s.top(), s.word()
     path = f"/app/{name}.sh"
     typo, command = s.rng.choice(_TYPOS[:2])
     body = f"#!/bin/sh\nset -e\n{typo} {word}\n"
@@ -703,7 +711,7 @@ def fix_command_typo(s: Slots) -> Step:
 
 
 def fix_range(s: Slots) -> Step:
-    name = s.word()
+    name = s.top()
     path = f"/app/{name}.sh"
     last = s.number(3, 9)
     return Step(
@@ -725,7 +733,7 @@ def fix_range(s: Slots) -> Step:
 
 
 def fix_name_error(s: Slots) -> Step:
-    module, variable = s.word(), s.word(IDENTIFIER_WORDS)
+    module, variable = s.top(), s.word()
     path = f"/app/{module}.py"
     typo = variable[:-1] + variable[-1] * 2  # "result" -> "resultt": Python suggests the fix
     value = s.number(2, 9)
@@ -750,7 +758,7 @@ def fix_name_error(s: Slots) -> Step:
 
 
 def copy_into_new_dir(s: Slots) -> Step:
-    name, directory = s.word(), s.word()
+    name, directory = s.top(), s.top()
     path, root = f"/app/{name}.txt", f"/app/{directory}"
     text = f"{s.word()}\n"
     return Step(
@@ -768,7 +776,7 @@ def copy_into_new_dir(s: Slots) -> Step:
 
 
 def rename_file(s: Slots) -> Step:
-    old, new = s.word(), s.word()
+    old, new = s.top(), s.top()
     old_path, new_path = f"/app/{old}.txt", f"/app/{new}.txt"
     text = f"{s.word()}\n"
     return Step(
@@ -786,7 +794,7 @@ def rename_file(s: Slots) -> Step:
 
 
 def gzip_archive(s: Slots) -> Step:
-    directory, archive, member = s.words(3)
+    directory, archive, member = s.top(), s.top(), s.word()
     root, archive_path = f"/app/{directory}", f"/app/{archive}.tar.gz"
     return Step(
         "gzip_archive",
@@ -807,7 +815,7 @@ def gzip_archive(s: Slots) -> Step:
 
 
 def count_by_extension(s: Slots) -> Step:
-    directory, out, *names = s.words(6)
+    directory, out, names = s.top(), s.top(), s.words(4)
     root, out_path = f"/app/{directory}", f"/app/{out}.txt"
     logs = names[: s.number(1, 3)]
     files = [EnvFile(f"{root}/{n}.log", "x\n") for n in logs]
@@ -824,7 +832,7 @@ def count_by_extension(s: Slots) -> Step:
 
 
 def move_only_file(s: Slots) -> Step:
-    inbox, done, name = s.words(3)
+    inbox, done, name = s.top(), s.top(), s.word()
     source, target = f"/app/{inbox}", f"/app/{done}"
     text = f"{s.word()}\n"
     return Step(

@@ -208,9 +208,12 @@ def plan_tasks(
             for index in range(per_category[category]):
                 family = order[index % len(order)]
                 slots = Slots(rng)
-                steps = tuple(IDIOMS_BY_NAME[name].make(slots) for name in family.idioms)
+                steps = []
+                for name in family.idioms:
+                    slots.begin_step()
+                    steps.append(IDIOMS_BY_NAME[name].make(slots))
                 task_id = f"suite/{split}-{family.family_id}-{index:04d}"
-                tasks.append(SuiteTask(task_id, family, steps))
+                tasks.append(SuiteTask(task_id, family, tuple(steps)))
     return tasks
 
 
@@ -227,6 +230,7 @@ def plan_json(task: SuiteTask) -> dict:
             {
                 "number": number,
                 "idiom": step.idiom,
+                "sentence": step.sentence,
                 "inspect": list(step.inspect),
                 "actions": list(step.actions),
                 "mistake_rate": IDIOMS_BY_NAME[step.idiom].mistake_rate,

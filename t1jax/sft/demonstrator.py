@@ -7,9 +7,13 @@ draws one demonstration from a plan (which steps go wrong, and how); `Demonstrat
 policy (`t1jax.agent.scripted.Policy`) of any number of concurrent trials, each identified by
 its trial id, that replays those scripts through the real harness.
 
-Reply format (what the SFT model learns to write): `Step k.` (or `Step k: look first.` before an
-inspection command), a blank line, one `shell` call; after the last step `All steps are done.`
-and `task_complete`; asked to confirm, `Confirmed.` and `task_complete` again. The demonstrator
+Reply format (what the SFT model learns to write): a note that restates the step, `Step k: <the
+step's sentence>` (ending `I look first.` before an inspection command and `Now I act.` on the
+turn after it), a blank line, one `shell` call; after the last step `All steps are done.` and
+`task_complete`; asked to confirm, `Confirmed.` and `task_complete` again. Restating the step is
+the "analyse and plan" part of a Terminus reply; for a tiny model it also turns a long-range
+lookup (which instruction line is next, and what it names) into a copy of the line followed by a
+local translation of it into a command, which is far easier to learn. The demonstrator
 never reacts to what a command printed (a failed mistake goes uncorrected), as rejection-sampled
 trajectories that still earned partial credit would not: the verifier, not the demonstrator,
 says what went wrong.
@@ -76,16 +80,16 @@ def script_for(plan: dict, rng: random.Random) -> DemoScript:
     replies: list[str] = []
     mistakes: list[tuple[int, str]] = []
     for step in plan["steps"]:
-        number = step["number"]
+        note = f"Step {step['number']}: {step['sentence']}"
         for command in step["inspect"]:
-            replies.append(shell_reply(f"Step {number}: look first.", command))
+            replies.append(shell_reply(f"{note} I look first.", command))
         actions = step["actions"]
         if step["mistakes"] and rng.random() < step["mistake_rate"]:
             mistake = rng.choice(step["mistakes"])
             actions = mistake["actions"]
-            mistakes.append((number, mistake["name"]))
+            mistakes.append((step["number"], mistake["name"]))
         for command in actions:
-            replies.append(shell_reply(f"Step {number}.", command))
+            replies.append(shell_reply(f"{note} Now I act." if step["inspect"] else note, command))
     return DemoScript(plan["task_id"], tuple(replies), tuple(mistakes))
 
 

@@ -51,9 +51,11 @@ HARNESS = HarnessConfig(
 PLAN = {
     "task_id": "suite/x",
     "steps": [
-        {"number": 1, "idiom": "a", "inspect": ["ls /app/in"], "actions": ["mv /app/in/f /app/out/"],
+        {"number": 1, "idiom": "a", "sentence": "Move the only file in /app/in to /app/out.",
+         "inspect": ["ls /app/in"], "actions": ["mv /app/in/f /app/out/"],
          "mistake_rate": 0.3, "mistakes": [{"name": "copy", "actions": ["cp /app/in/f /app/out/"]}]},
-        {"number": 2, "idiom": "b", "inspect": [], "actions": ["wc -l < /app/a > /app/b"],
+        {"number": 2, "idiom": "b", "sentence": "Count the lines of /app/a into /app/b.",
+         "inspect": [], "actions": ["wc -l < /app/a > /app/b"],
          "mistake_rate": 0.0, "mistakes": [{"name": "name", "actions": ["wc -l /app/a > /app/b"]}]},
     ],
 }  # fmt: skip
@@ -74,7 +76,12 @@ def test_scripts_follow_the_plan_at_the_mistake_rate():
         assert [commands_of(r) for r in script.replies][0] == ["ls /app/in"]  # inspection first
         expected = "cp /app/in/f /app/out/" if script.mistakes == ((1, "copy"),) else "mv /app/in/f /app/out/"
         assert [commands_of(r) for r in script.replies][1:] == [[expected], ["wc -l < /app/a > /app/b"]]
-        assert script.replies[0].startswith("Step 1: look first.") and script.replies[2].startswith("Step 2.")
+        notes = [reply.split("\n\n", 1)[0] for reply in script.replies]
+        assert notes == [
+            "Step 1: Move the only file in /app/in to /app/out. I look first.",
+            "Step 1: Move the only file in /app/in to /app/out. Now I act.",
+            "Step 2: Count the lines of /app/a into /app/b.",
+        ]
     assert script_for(PLAN, random.Random(7)) == script_for(PLAN, random.Random(7))
     done = parse_reply(DONE_REPLY, default_duration_sec=1.0, max_duration_sec=60.0)
     assert done.ok and done.task_complete and not done.commands
