@@ -8,6 +8,9 @@ does not pay for the trainer's imports and vice versa).
 - ``t1jax eval``: evaluate a checkpoint (or the oracle / no-op agent) on a task directory
   (``t1jax.eval.cli``).
 - ``t1jax train``: run or resume an RL run (``t1jax.controller.cli``).
+- ``t1jax tasks generate``: write the synthetic task suite (``t1jax.data.tasks_cli``).
+- ``t1jax sft``: demonstrations -> SFT warm start -> checkpoint (``t1jax.sft.cli``).
+- ``t1jax demo``: base -> SFT -> critic warm-up -> RL -> held-out evaluation (``t1jax.demo.cli``).
 
 Errors (the contract of every subcommand): bad input — a missing file, a malformed config, an
 impossible combination — is one line on stderr naming the problem and exit status 2; any other
@@ -29,6 +32,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("t1jax.eval.cli", "evaluate a checkpoint, the oracle or the no-op agent on a task directory"),
     "train": ("t1jax.controller.cli", "run or resume an RL run from a run config (the single controller)"),
     "demo": ("t1jax.demo.cli", "base -> SFT -> critic warm-up -> RL -> held-out evaluation in one directory"),
+    "tasks": ("t1jax.data.tasks_cli", "synthetic task suite: `tasks generate --out DIR --n N --seed S`"),
+    "sft": ("t1jax.sft.cli", "SFT warm start: demonstrations in sandboxes -> cross-entropy -> checkpoint"),
 }
 
 EXIT_USAGE = 2

@@ -108,6 +108,7 @@ class HarnessConfig:
     terminal: TerminalMode = TerminalMode.TMUX
     require_routing: bool = True  # MoE policies: a result without routing aborts the trial
     trim_routing: bool = True  # keep only the routing rows the stitched stream takes from a turn
+<<<<<<< HEAD
     # Deadline of one sampler call: the call may run to the agent deadline plus this grace (the
     # harness aborts it at the deadline; a live sampler answers at once), never longer than
     # `sampler_timeout_sec`. Past it the sampler is hung: the trial ends with SAMPLER_TIMEOUT.
@@ -116,6 +117,9 @@ class HarnessConfig:
     # A trial is generated under one policy version (App. 12.1); a turn served by another version
     # (a publication crossed the trial) ends it with POLICY_VERSION_CHANGED instead of mixing.
     single_policy_version: bool = True
+=======
+    prompt_profile: str = "full"  # system prompt + tool schemas: a key of prompts.PROMPT_PROFILES
+>>>>>>> demo-suite
 
     def __post_init__(self) -> None:
         positive = (
@@ -162,6 +166,11 @@ class HarnessConfig:
                 f"system prompt; lower summary_max_tokens or disable compaction"
             )
         object.__setattr__(self, "terminal", TerminalMode(self.terminal))
+        if self.prompt_profile not in prompts.PROMPT_PROFILES:
+            raise ValueError(
+                f"HarnessConfig.prompt_profile must be one of {sorted(prompts.PROMPT_PROFILES)}, "
+                f"got {self.prompt_profile!r}"
+            )
 
 
 # How long a cancelled trial waits for the sampler to answer the abort of its request.
@@ -294,6 +303,7 @@ class _Trial:
             else ExecTerminal(sandbox, config.max_output_bytes)
         )
         self.workdir = task.environment.workdir
+        self.profile = prompts.PROMPT_PROFILES[config.prompt_profile]
         self.segments: list[list[Turn]] = [[]]
         self.compactions: list[CompactionEvent] = []
         self.stats = TrialStats()
@@ -336,10 +346,18 @@ class _Trial:
         )
 
     def _loop(self) -> tuple[TrialStatus, str]:
+<<<<<<< HEAD
         if self._loop_state is None:
             prompt = self._encode_messages(prompts.initial_messages(self.task.instruction, self.workdir))
             self._loop_state = (prompt, 0, False)
         prompt, glue_start, confirm_pending = self._loop_state
+=======
+        prompt = self._encode_messages(
+            prompts.initial_messages(self.task.instruction, self.workdir, self.profile.system_prompt)
+        )
+        glue_start = 0
+        confirm_pending = False
+>>>>>>> demo-suite
         while True:
             self._loop_state = (prompt, glue_start, confirm_pending)  # where a pause resumes from
             self._check_time()
@@ -623,7 +641,7 @@ class _Trial:
 
     def _encode_messages(self, messages: Sequence[Message]) -> np.ndarray:
         return self.tokenizer.encode_pieces(
-            render_pieces(messages, tools=prompts.TOOLS, add_generation_prompt=True)
+            render_pieces(messages, tools=self.profile.tools, add_generation_prompt=True)
         )
 
     def _glue(self, completion_ids: np.ndarray, messages: Sequence[Message]) -> np.ndarray:
@@ -749,7 +767,12 @@ class _Trial:
         for kept_summary, kept_chars, kept_recent in candidates:
             prompt = self._encode_messages(
                 prompts.compacted_messages(
-                    self.task.instruction, self.workdir, kept_summary, note, kept_recent
+                    self.task.instruction,
+                    self.workdir,
+                    kept_summary,
+                    note,
+                    kept_recent,
+                    self.profile.system_prompt,
                 )
             )
             if self._action_budget(len(prompt)) >= self.config.min_turn_tokens:

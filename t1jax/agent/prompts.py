@@ -1,11 +1,15 @@
 """Every text the harness shows the model: system prompt, tools, observations, compaction requests.
 
 Kept in one place so the prompt is pinned (one version per trial, reproducible) and reviewable.
+`PROMPT_PROFILES` names the system prompt + tool schemas a trial starts with (`HarnessConfig.
+prompt_profile`): `full` (default, Terminus-style, ~1100 tokens of the project BPE) and `compact`
+(~40 tokens: no tool schemas, for tiny models trained from scratch on short contexts).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from t1jax.agent.chat_template import Message, ToolSpec
 from t1jax.agent.parsing import SHELL, TASK_COMPLETE
@@ -64,15 +68,44 @@ SUMMARY_REQUEST = (
 )
 
 
-def initial_messages(instruction: str, workdir: str) -> list[Message]:
+# For models that learn the call format from demonstrations rather than from a schema: every token
+# of the system turn is paid on every training row and every sampler call.
+COMPACT_SYSTEM_PROMPT = (
+    "Solve the task in the bash shell. Each reply: a short note, then one shell tool call. "
+    "When done, call task_complete, then call it again to confirm."
+)
+
+
+@dataclass(frozen=True)
+class PromptProfile:
+    """The system prompt and the tool schemas the chat template renders into the system turn
+    (no schemas: the system turn is the prompt alone). The parser accepts the same calls
+    whichever profile a trial uses."""
+
+    system_prompt: str
+    tools: tuple[ToolSpec, ...]
+
+
+PROMPT_PROFILES = {
+    "full": PromptProfile(SYSTEM_PROMPT, TOOLS),
+    "compact": PromptProfile(COMPACT_SYSTEM_PROMPT, ()),
+}
+
+
+def initial_messages(instruction: str, workdir: str, system_prompt: str = SYSTEM_PROMPT) -> list[Message]:
     return [
-        Message("system", SYSTEM_PROMPT),
+        Message("system", system_prompt),
         Message("user", f"Task description:\n{instruction}\n\nThe terminal is a bash shell in {workdir}."),
     ]
 
 
 def compacted_messages(
-    instruction: str, workdir: str, summary: str, summary_note: str, recent_output: str
+    instruction: str,
+    workdir: str,
+    summary: str,
+    summary_note: str,
+    recent_output: str,
+    system_prompt: str = SYSTEM_PROMPT,
 ) -> list[Message]:
     """The history a new segment starts from after compaction."""
     parts = [
@@ -86,7 +119,7 @@ def compacted_messages(
     if recent_output:
         parts.append(f"Most recent terminal output:\n{recent_output}")
     parts.append("Continue working on the task from here.")
-    return [Message("system", SYSTEM_PROMPT), Message("user", "\n\n".join(parts))]
+    return [Message("system", system_prompt), Message("user", "\n\n".join(parts))]
 
 
 def parse_error_message(errors: Sequence[str]) -> str:

@@ -1,1 +1,3 @@
-"""Data of a training run: the grain task pool (`t1jax.data.pool`)."""
+"""Task data: the grain task pool of a training run (`t1jax.data.pool`) and the synthetic task
+suite generator (`t1jax.data.suite`, its step library `t1jax.data.idioms`, CLI `t1jax tasks
+generate`)."""

@@ -1,0 +1,420 @@
+"""The synthetic task suite: template families, the train / held-out split, Harbor task directories.
+
+`generate_suite(out, n, seed)` writes `n` tasks in Harbor layout under `out/train/` and
+`out/heldout/`, plus `out/manifest.json`. The demo trains on the first split and evaluates on the
+second.
+
+- A *template family* is a category and an ordered tuple of 1-3 idioms (`t1jax.data.idioms`);
+  a task of that family has one numbered instruction step per idiom, with fresh slot values and
+  environment contents. A family's category is its first idiom's; later idioms may come from any
+  category (cross-category composition).
+- Categories are drawn with the weights of the paper's pool (§3.1, Figure 3): scripting 17.9%,
+  software development 16.5%, system administration 13.8%, environment setup 10.4%, version
+  control 9.3%; the remaining 32.1% (data science, debugging, performance and smaller
+  categories) is split over data processing, file operations and debugging.
+- The split is by family: each category's families are divided between train and held-out, and
+  every idiom of a held-out family also occurs in some train family, so held-out tasks need no
+  skill the train split does not teach (new combinations and positions of the same idioms,
+  new slot values), and what RL improves on train can transfer.
+- Difficulty is the number of required steps (commands of the reference solution, inspection
+  commands included): `metadata.required_steps`; `metadata.difficulty` buckets it
+  (easy <= 2 < medium <= 4 < hard).
+
+Each task directory holds, besides the Harbor files, `solution/plan.json`: the steps with their
+inspection commands, actions and the idiom's mistakes and mistake rate, which the demonstrator
+(`t1jax.sft.demonstrator`) reads. The agent never sees `solution/`.
+
+Invariants: the output is a pure function of (n, seed, heldout_fraction, families_per_category)
+(one `random.Random` per purpose, derived from the seed; files written in a fixed order); task
+ids are unique; no family is in both splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from t1jax.data.idioms import CATEGORIES, IDIOMS, IDIOMS_BY_NAME, EnvFile, Slots, Step
+
+SUITE_VERSION = 1
+SPLITS = ("train", "heldout")
+
+# Share of the suite per category (percent; paper Figure 3, see the module docstring).
+CATEGORY_WEIGHTS: Mapping[str, float] = {
+    "scripting": 17.9,
+    "software-development": 16.5,
+    "system-administration": 13.8,
+    "environment-setup": 10.4,
+    "version-control": 9.3,
+    "data-processing": 12.0,
+    "file-operations": 12.0,
+    "debugging": 8.1,
+}
+FAMILY_LENGTH_WEIGHTS = {1: 0.25, 2: 0.45, 3: 0.30}
+CROSS_CATEGORY_PROBABILITY = 0.3
+BASE_IMAGE = "python:3.11-slim"
+AGENT_TIMEOUT_SEC = 300.0
+VERIFIER_TIMEOUT_SEC = 60.0
+
+
+@dataclass(frozen=True)
+class Family:
+    """A template family: tasks of it share the category and the ordered idioms."""
+
+    family_id: str
+    category: str
+    idioms: tuple[str, ...]
+    split: str
+
+
+@dataclass(frozen=True)
+class SuiteTask:
+    """One generated task, before it is written: its family, index and steps."""
+
+    task_id: str
+    family: Family
+    steps: tuple[Step, ...]
+
+    @property
+    def required_steps(self) -> int:
+        return sum(step.required_steps for step in self.steps)
+
+    @property
+    def num_checks(self) -> int:
+        return sum(len(step.checks) for step in self.steps)
+
+    @property
+    def directory_name(self) -> str:
+        return self.task_id.split("/", 1)[-1]
+
+
+def difficulty_of(required_steps: int) -> str:
+    if required_steps <= 2:
+        return "easy"
+    return "medium" if required_steps <= 4 else "hard"
+
+
+def _rng(seed: int, purpose: str) -> random.Random:
+    """An independent stream per purpose, so changing one use of randomness moves no other."""
+    digest = hashlib.sha256(f"t1jax-suite/{SUITE_VERSION}/{seed}/{purpose}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Families and the split
+
+
+def make_families(
+    seed: int, *, families_per_category: int = 12, heldout_fraction: float = 0.2
+) -> list[Family]:
+    """`families_per_category` distinct families per category, split train / held-out by family
+    (at least one of each per category), every held-out idiom covered by a train family."""
+    if not 0.0 < heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must lie in (0, 1), got {heldout_fraction}")
+    if families_per_category < 2:
+        raise ValueError(f"families_per_category must be >= 2, got {families_per_category}")
+    rng = _rng(seed, "families")
+    by_category = {c: [i for i in IDIOMS if i.category == c] for c in CATEGORIES}
+    families: list[Family] = []
+    for category in CATEGORIES:
+        own = by_category[category]
+        chosen: list[tuple[str, ...]] = []
+        attempts = 0
+        while len(chosen) < families_per_category and attempts < 10_000:
+            attempts += 1
+            length = rng.choices(list(FAMILY_LENGTH_WEIGHTS), weights=list(FAMILY_LENGTH_WEIGHTS.values()))[0]
+            idioms = [rng.choice(own).name]
+            while len(idioms) < length:
+                pool = IDIOMS if rng.random() < CROSS_CATEGORY_PROBABILITY else own
+                candidate = rng.choice(pool).name
+                if candidate not in idioms:
+                    idioms.append(candidate)
+            if tuple(idioms) not in chosen:
+                chosen.append(tuple(idioms))
+        heldout = _choose_heldout(chosen, heldout_fraction, rng)
+        prefix = "".join(part[0] for part in category.split("-"))
+        for index, idioms in enumerate(chosen):
+            split = "heldout" if index in heldout else "train"
+            families.append(Family(f"{prefix}{index:02d}", category, idioms, split))
+    return families
+
+
+def _choose_heldout(families: Sequence[tuple[str, ...]], fraction: float, rng: random.Random) -> set[int]:
+    """Indices of held-out families: about `fraction` of them, never leaving an idiom of a
+    held-out family without a train family that uses it (families tried in a seeded random order,
+    so held-out difficulty follows the train split's)."""
+    target = max(1, min(len(families) - 1, round(fraction * len(families))))
+    order = list(range(len(families)))
+    rng.shuffle(order)
+    heldout: set[int] = set()
+    for index in order:
+        if len(heldout) == target:
+            break
+        trial = heldout | {index}
+        train_idioms = {name for i, f in enumerate(families) if i not in trial for name in f}
+        if all(name in train_idioms for i in trial for name in families[i]):
+            heldout = trial
+    if not heldout:
+        raise ValueError("could not hold out any family without losing an idiom from train")
+    return heldout
+
+
+def check_split(families: Sequence[Family]) -> None:
+    """Raise unless every idiom of a held-out family occurs in a train family."""
+    train = {name for f in families if f.split == "train" for name in f.idioms}
+    for family in families:
+        missing = [name for name in family.idioms if name not in train]
+        if family.split == "heldout" and missing:
+            raise ValueError(f"held-out family {family.family_id} uses {missing}, never seen in train")
+
+
+# ------------------------------------------------------------------------------------------------
+# Tasks
+
+
+def _allocate(total: int, weights: Mapping[str, float]) -> dict[str, int]:
+    """Largest-remainder rounding of `total` over `weights` (deterministic tie order)."""
+    norm = sum(weights.values())
+    exact = {key: total * w / norm for key, w in weights.items()}
+    counts = {key: int(value) for key, value in exact.items()}
+    leftovers = sorted(weights, key=lambda key: (-(exact[key] - counts[key]), key))
+    for key in leftovers[: total - sum(counts.values())]:
+        counts[key] += 1
+    return counts
+
+
+def plan_tasks(
+    families: Sequence[Family], n: int, seed: int, *, heldout_fraction: float = 0.2
+) -> list[SuiteTask]:
+    """`n` tasks: round(n * heldout_fraction) held-out, the rest train; each split's tasks are
+    spread over categories by `CATEGORY_WEIGHTS` and over a category's families in turn."""
+    if n < 2:
+        raise ValueError(f"a suite needs at least 2 tasks (one per split), got n = {n}")
+    num_heldout = min(n - 1, max(1, round(n * heldout_fraction)))
+    counts = {"train": n - num_heldout, "heldout": num_heldout}
+    tasks: list[SuiteTask] = []
+    for split in SPLITS:
+        rng = _rng(seed, f"tasks/{split}")
+        per_category = _allocate(counts[split], CATEGORY_WEIGHTS)
+        for category in CATEGORIES:
+            pool = [f for f in families if f.split == split and f.category == category]
+            order = list(pool)
+            rng.shuffle(order)
+            for index in range(per_category[category]):
+                family = order[index % len(order)]
+                slots = Slots(rng)
+                steps = []
+                for name in family.idioms:
+                    slots.begin_step()
+                    steps.append(IDIOMS_BY_NAME[name].make(slots))
+                task_id = f"suite/{split}-{family.family_id}-{index:04d}"
+                tasks.append(SuiteTask(task_id, family, tuple(steps)))
+    return tasks
+
+
+def instruction_text(steps: Sequence[Step]) -> str:
+    header = "Do this step:" if len(steps) == 1 else f"Do these {len(steps)} steps in order:"
+    return "\n".join([header, *(f"{i}. {step.sentence}" for i, step in enumerate(steps, start=1))]) + "\n"
+
+
+def plan_json(task: SuiteTask) -> dict:
+    """The demonstrator's script (`solution/plan.json`): per step, what to run and how it may go wrong."""
+    return {
+        "task_id": task.task_id,
+        "steps": [
+            {
+                "number": number,
+                "idiom": step.idiom,
+                "sentence": step.sentence,
+                "inspect": list(step.inspect),
+                "actions": list(step.actions),
+                "mistake_rate": IDIOMS_BY_NAME[step.idiom].mistake_rate,
+                "mistakes": [{"name": m.name, "actions": list(m.actions)} for m in step.mistakes],
+            }
+            for number, step in enumerate(task.steps, start=1)
+        ],
+    }
+
+
+_TEST_PREAMBLE = '''"""Checks of a generated task: one test per requirement, reported separately."""
+
+import importlib.util
+import os
+import stat
+import subprocess
+import tarfile
+from pathlib import Path
+
+
+def run(*argv):
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+
+
+def git(repository, *argv):
+    return run("git", "-c", "safe.directory=*", "-C", repository, *argv)
+
+
+def load_module(path):
+    spec = importlib.util.spec_from_file_location("checked_" + Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+'''
+
+
+def test_file_text(steps: Sequence[Step]) -> str:
+    parts = [_TEST_PREAMBLE]
+    for number, step in enumerate(steps, start=1):
+        for check in step.checks:
+            body = "\n".join(f"    {line}" for line in check.body.splitlines())
+            parts.append(f"\n\ndef test_step{number}_{check.name}():\n{body}\n")
+    return "".join(parts)
+
+
+def dockerfile_text(steps: Sequence[Step]) -> str:
+    tops = sorted({_top(f.path) for step in steps for f in step.files})
+    lines = [f"FROM {BASE_IMAGE}", "WORKDIR /app"]
+    lines += [f"COPY {top}/ /{top}/" for top in tops]
+    lines += [f"RUN {command}" for step in steps for command in step.build]
+    return "\n".join(lines) + "\n"
+
+
+def _top(container_path: str) -> str:
+    top = container_path.strip("/").split("/", 1)[0]
+    if top not in ("app", "root"):
+        raise ValueError(f"environment file {container_path} is outside /app and /root")
+    return top
+
+
+def task_toml_text(task: SuiteTask) -> str:
+    tags = ", ".join(json.dumps(step.idiom) for step in task.steps)
+    return (
+        'schema_version = "1.1"\n\n'
+        f"[task]\nname = {json.dumps(task.task_id)}\n\n"
+        "[metadata]\n"
+        f"difficulty = {json.dumps(difficulty_of(task.required_steps))}\n"
+        f"category = {json.dumps(task.family.category)}\n"
+        f"required_steps = {task.required_steps}\n"
+        f"family = {json.dumps(task.family.family_id)}\n"
+        f"split = {json.dumps(task.family.split)}\n"
+        f"tags = [{tags}]\n\n"
+        f"[verifier]\ntimeout_sec = {VERIFIER_TIMEOUT_SEC}\n\n"
+        f"[agent]\ntimeout_sec = {AGENT_TIMEOUT_SEC}\n\n"
+        "[environment]\ncpus = 1\nmemory_mb = 256\nstorage_mb = 64\nallow_internet = false\n"
+        'workdir = "/app"\n'
+    )
+
+
+def solve_sh_text(steps: Sequence[Step]) -> str:
+    """The reference solution: every action (inspections are skipped: it knows the values)."""
+    commands = [action for step in steps for action in step.actions]
+    return "#!/bin/bash\nset -euo pipefail\n" + "".join(f"{c}\n" for c in commands)
+
+
+def write_task(task: SuiteTask, directory: Path) -> None:
+    directory.mkdir(parents=True)
+    (directory / "task.toml").write_text(task_toml_text(task))
+    (directory / "instruction.md").write_text(instruction_text(task.steps))
+    environment = directory / "environment"
+    environment.mkdir()
+    (environment / "Dockerfile").write_text(dockerfile_text(task.steps))
+    for step in task.steps:
+        for env_file in step.files:
+            _write_env_file(environment, env_file)
+    tests = directory / "tests"
+    tests.mkdir()
+    (tests / "test.sh").write_text(
+        "#!/bin/bash\n# Runs the checks with the pytest on PATH, one report entry per test.\n"
+        "pytest /tests/test_outputs.py -rA\n"
+    )
+    (tests / "test.sh").chmod(0o755)
+    (tests / "test_outputs.py").write_text(test_file_text(task.steps))
+    solution = directory / "solution"
+    solution.mkdir()
+    (solution / "solve.sh").write_text(solve_sh_text(task.steps))
+    (solution / "solve.sh").chmod(0o755)
+    (solution / "plan.json").write_text(json.dumps(plan_json(task), indent=1) + "\n")
+
+
+def _write_env_file(environment: Path, env_file: EnvFile) -> None:
+    target = environment / env_file.path.lstrip("/")
+    if target.exists():
+        raise ValueError(f"two steps write the environment file {env_file.path}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(env_file.content)
+    target.chmod(env_file.mode)
+
+
+# ------------------------------------------------------------------------------------------------
+# The whole suite
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    n: int
+    seed: int
+    heldout_fraction: float = 0.2
+    families_per_category: int = 12
+
+
+def generate_suite(
+    out: str | Path,
+    config: SuiteConfig,
+    *,
+    on_task: Callable[[int, int, SuiteTask], None] | None = None,
+) -> dict:
+    """Write the suite to `out` (which must not exist or be empty); returns the manifest."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory; choose a new --out")
+    families = make_families(
+        config.seed,
+        families_per_category=config.families_per_category,
+        heldout_fraction=config.heldout_fraction,
+    )
+    check_split(families)
+    tasks = plan_tasks(families, config.n, config.seed, heldout_fraction=config.heldout_fraction)
+    staging = out.with_name(f".{out.name}.partial")
+    if staging.exists():
+        raise FileExistsError(f"{staging} exists (an interrupted generation?); remove it first")
+    staging.mkdir(parents=True)
+    for index, task in enumerate(tasks):
+        write_task(task, staging / task.family.split / task.directory_name)
+        if on_task is not None:
+            on_task(index + 1, len(tasks), task)
+    manifest = manifest_of(config, families, tasks)
+    (staging / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    if out.exists():
+        out.rmdir()
+    staging.rename(out)  # the suite appears whole or not at all
+    return manifest
+
+
+def manifest_of(config: SuiteConfig, families: Sequence[Family], tasks: Sequence[SuiteTask]) -> dict:
+    return {
+        "suite_version": SUITE_VERSION,
+        "config": dataclasses.asdict(config),
+        "category_weights": dict(CATEGORY_WEIGHTS),
+        "idioms": {i.name: {"category": i.category, "mistake_rate": i.mistake_rate} for i in IDIOMS},
+        "families": [dataclasses.asdict(f) for f in families],
+        "tasks": [
+            {
+                "task_id": t.task_id,
+                "path": f"{t.family.split}/{t.directory_name}",
+                "split": t.family.split,
+                "family": t.family.family_id,
+                "category": t.family.category,
+                "idioms": list(t.family.idioms),
+                "required_steps": t.required_steps,
+                "difficulty": difficulty_of(t.required_steps),
+                "checks": t.num_checks,
+                "inspection": any(step.inspect for step in t.steps),
+            }
+            for t in tasks
+        ],
+    }

@@ -1,0 +1,54 @@
+"""`t1jax sft --config configs/demo/sft.yaml --tasks DIR/train --out RUN`: the SFT warm start.
+
+Runs `t1jax.sft.train.run_sft`: demonstrations in real sandboxes, masked cross-entropy, an HF
+checkpoint in `RUN/checkpoint`. Progress goes to stderr; the run directory holds the metrics
+(`metrics.jsonl`, `demonstrations.jsonl`, `summary.json`). A bad config, a missing or malformed
+task directory, or an existing non-empty `--out` exit 2 with one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, required=True, help="SFT config (e.g. configs/demo/sft.yaml)")
+    parser.add_argument(
+        "--tasks", type=Path, required=True, help="tasks to demonstrate (a suite's train split)"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="new run directory")
+    parser.add_argument(
+        "--init", default=None, help="start from this checkpoint directory (overrides the config)"
+    )
+    parser.add_argument("--epochs", type=int, default=None, help="override training.epochs")
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from t1jax.sft.train import load_sft_config, run_sft
+
+    try:
+        config = load_sft_config(args.config)
+        if args.init is not None:
+            config = dataclasses.replace(config, init=str(Path(args.init).resolve()))
+        if args.epochs is not None:
+            config = dataclasses.replace(
+                config, training=dataclasses.replace(config.training, epochs=args.epochs)
+            )
+        if config.init is not None and not (Path(config.init) / "config.json").is_file():
+            raise ValueError(f"init checkpoint {config.init} has no config.json")
+        if not args.tasks.is_dir():
+            raise ValueError(f"--tasks {args.tasks} is not a directory")
+        summary = run_sft(config, args.tasks, args.out)
+    except (ValueError, FileExistsError, FileNotFoundError) as error:
+        if args.debug:
+            traceback.print_exc()
+        print(f"t1jax sft: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=1))
+    return 0

@@ -1,0 +1,224 @@
+"""The synthetic task suite: determinism, the family split, task format, and soundness in real sandboxes.
+
+The soundness tests run `sandbox_service.check_tasks` (the same audit as `python -m sandbox_service
+check-tasks`) in bubblewrap sandboxes: on a sample of generated tasks that covers every idiom
+(reference passes all, no-op fails some), and on one task per (idiom, mistake) whose solution is
+replaced by the mistake (it must fail at least one assertion, or RL could not learn to avoid it).
+The whole-suite audit of a demo-sized suite is marked slow.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from sandbox_service.backends.local import LocalBackend
+from sandbox_service.check_tasks import check_tasks
+from sandbox_service.envbuild import check_environment
+from sandbox_service.tasks import load_dataset
+from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR, setup_toolchain
+from t1jax.agent.tokenizer import load_project_tokenizer
+from t1jax.data.idioms import CATEGORIES, IDIOMS, SLOT_WORDS, Slots
+from t1jax.data.suite import (
+    CATEGORY_WEIGHTS,
+    SuiteConfig,
+    SuiteTask,
+    check_split,
+    generate_suite,
+    make_families,
+    write_task,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tree_digest(root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        digest.update(str(path.relative_to(root)).encode())
+        if path.is_file():
+            digest.update(oct(path.stat().st_mode & 0o777).encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("suite") / "suite"
+    manifest = generate_suite(out, SuiteConfig(n=200, seed=11))
+    return out, manifest
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    toolchain = setup_toolchain(REPO / DEFAULT_TOOLCHAIN_DIR, quiet=True).directory
+    local = LocalBackend(cache_dir=tmp_path_factory.mktemp("sandbox-cache"), toolchain_dir=toolchain)
+    yield local
+    leaked = local.live_sandboxes()
+    local.close()
+    assert not leaked, leaked
+
+
+def test_slot_words_are_single_tokens():
+    """The copy lever: every slot word is one token after a space and after a slash."""
+    tokenizer = load_project_tokenizer()
+    for word in SLOT_WORDS:
+        assert len(tokenizer.encode_text(f" {word}")) == 1, word
+        assert len(tokenizer.encode_text(f"/{word}")) == 1, word
+
+
+def test_generation_is_deterministic_in_the_seed(tmp_path, suite):
+    out, _ = suite
+    generate_suite(tmp_path / "again", SuiteConfig(n=200, seed=11))
+    generate_suite(tmp_path / "other", SuiteConfig(n=200, seed=12))
+    assert tree_digest(tmp_path / "again") == tree_digest(out)
+    assert tree_digest(tmp_path / "other") != tree_digest(out)
+
+
+def test_split_is_disjoint_by_family_and_held_out_idioms_are_taught(suite):
+    _, manifest = suite
+    families = {f["family_id"]: f for f in manifest["families"]}
+    by_split = collections.defaultdict(set)
+    for task in manifest["tasks"]:
+        assert families[task["family"]]["split"] == task["split"]
+        by_split[task["split"]].add(task["family"])
+    assert by_split["train"] and by_split["heldout"]
+    assert not by_split["train"] & by_split["heldout"]
+    train_idioms = {i for t in manifest["tasks"] if t["split"] == "train" for i in t["idioms"]}
+    heldout_idioms = {i for t in manifest["tasks"] if t["split"] == "heldout" for i in t["idioms"]}
+    assert heldout_idioms <= train_idioms
+    # every category has both train and held-out families, for every seed tried
+    for seed in range(5):
+        made = make_families(seed)
+        check_split(made)
+        for category in CATEGORIES:
+            splits = {f.split for f in made if f.category == category}
+            assert splits == {"train", "heldout"}, (seed, category)
+
+
+def test_category_mix_follows_the_paper_pool(suite):
+    _, manifest = suite
+    counts = collections.Counter(t["category"] for t in manifest["tasks"])
+    assert set(counts) == set(CATEGORIES) and len(CATEGORIES) >= 8
+    total = sum(CATEGORY_WEIGHTS.values())
+    for category, weight in CATEGORY_WEIGHTS.items():
+        # each split is rounded on its own: at most one task off per split
+        assert abs(counts[category] - 200 * weight / total) <= 2, (category, counts[category])
+    assert counts["scripting"] == max(counts.values())
+
+
+def test_tasks_are_well_formed_harbor_tasks(suite):
+    out, manifest = suite
+    for split in ("train", "heldout"):
+        dataset = load_dataset(out / split, environment_check=check_environment)
+        assert not dataset.errors, dataset.errors[:3]
+        assert len(dataset) == sum(t["split"] == split for t in manifest["tasks"])
+    inspection = 0
+    for entry in manifest["tasks"]:
+        directory = out / entry["path"]
+        meta = tomllib.loads((directory / "task.toml").read_text())["metadata"]
+        assert meta["category"] == entry["category"] and meta["required_steps"] == entry["required_steps"]
+        plan = json.loads((directory / "solution" / "plan.json").read_text())
+        steps = sum(len(s["inspect"]) + len(s["actions"]) for s in plan["steps"])
+        assert steps == entry["required_steps"]  # difficulty = number of required steps
+        assert meta["difficulty"] == ("easy" if steps <= 2 else "medium" if steps <= 4 else "hard")
+        tests = (directory / "tests" / "test_outputs.py").read_text()
+        assert 2 <= tests.count("\ndef test_") == entry["checks"] <= 12
+        instruction = (directory / "instruction.md").read_text()
+        assert instruction.count("\n") == len(plan["steps"]) + 1  # a header and one line per step
+        # inspection steps: the value the action uses is not in the instruction
+        for step in plan["steps"]:
+            if step["inspect"]:
+                inspection += 1
+        assert "plan.json" not in tests and not (directory / "environment" / "plan.json").exists()
+    assert inspection >= 20
+
+
+def test_cli_writes_a_suite_and_refuses_bad_input(tmp_path):
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "t1jax.cli", "tasks", "generate", *args],
+            capture_output=True, text=True, cwd=REPO, timeout=120,
+        )  # fmt: skip
+
+    done = cli("--out", str(tmp_path / "s"), "--n", "30", "--seed", "3")
+    assert done.returncode == 0, done.stderr
+    assert "wrote 30 tasks" in done.stdout and (tmp_path / "s" / "manifest.json").is_file()
+    again = cli("--out", str(tmp_path / "s"), "--n", "30")
+    assert (
+        again.returncode == 2 and "not an empty directory" in again.stderr and "Traceback" not in again.stderr
+    )
+    tiny = cli("--out", str(tmp_path / "t"), "--n", "1")
+    assert tiny.returncode == 2 and "at least 2 tasks" in tiny.stderr and not (tmp_path / "t").exists()
+    fraction = cli("--out", str(tmp_path / "u"), "--n", "10", "--heldout-fraction", "1.5")
+    assert fraction.returncode == 2 and "heldout_fraction" in fraction.stderr
+
+
+def idiom_cover(manifest: dict) -> list[dict]:
+    """A few tasks (train and held-out) that together use every idiom."""
+    chosen, seen = [], set()
+    remaining = list(manifest["tasks"])
+    while remaining:
+        best = max(remaining, key=lambda t: (len(set(t["idioms"]) - seen), t["task_id"]))
+        if not set(best["idioms"]) - seen:
+            break
+        chosen.append(best)
+        seen |= set(best["idioms"])
+        remaining.remove(best)
+    assert seen == {i.name for i in IDIOMS}
+    return chosen
+
+
+@pytest.mark.sandbox
+def test_a_sample_covering_every_idiom_is_sound(suite, backend, tmp_path):
+    out, manifest = suite
+    sample = tmp_path / "sample"
+    for task in idiom_cover(manifest):
+        shutil.copytree(out / task["path"], sample / task["path"])
+    audits = check_tasks(sample, backend, run_id="suite-sample")
+    assert audits and all(a.sound for a in audits), [a.line() for a in audits if not a.sound]
+
+
+@pytest.mark.sandbox
+def test_every_mistake_fails_a_check(backend, tmp_path):
+    """One single-step task per (idiom, mistake) whose solve.sh runs the mistake: the verifier must
+    catch it (a reward that cannot see a mistake cannot teach RL to avoid it)."""
+    from t1jax.data.suite import Family
+
+    pool = tmp_path / "mistakes"
+    expected = {}
+    rng = random.Random(5)
+    for idiom in IDIOMS:
+        step = idiom.make(Slots(rng))
+        assert step.mistakes, idiom.name
+        for mistake in step.mistakes:
+            task_id = f"mistake/{idiom.name}-{mistake.name}"
+            family = Family("m", idiom.category, (idiom.name,), "train")
+            write_task(SuiteTask(task_id, family, (step,)), pool / f"{idiom.name}-{mistake.name}")
+            solve = pool / f"{idiom.name}-{mistake.name}" / "solution" / "solve.sh"
+            solve.write_text("#!/bin/bash\n" + "".join(f"{c}\n" for c in mistake.actions))
+            expected[task_id] = len(step.checks)
+    audits = check_tasks(pool, backend, run_id="suite-mistakes")
+    assert len(audits) == len(expected)
+    for audit in audits:
+        assert audit.solution is not None and audit.solution.parsed, audit.line()
+        assert audit.solution.total == expected[audit.task_id]
+        assert audit.solution.passed < audit.solution.total, f"mistake not caught: {audit.line()}"
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+def test_a_demo_sized_suite_is_sound(backend, tmp_path):
+    out = tmp_path / "suite"
+    generate_suite(out, SuiteConfig(n=500, seed=0))
+    audits = check_tasks(out, backend, run_id="suite-all")
+    assert len(audits) == 500
+    assert all(a.sound for a in audits), [a.line() for a in audits if not a.sound][:5]

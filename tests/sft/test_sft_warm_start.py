@@ -1,0 +1,209 @@
+"""The SFT warm start: demonstrator scripts, demonstrations in real sandboxes, `t1jax sft` end to end.
+
+- Scripts follow the task's plan, use mistakes at the idiom's rate, and every reply parses into
+  exactly the planned shell call (checked with the harness's own parser).
+- Demonstrations run through the real harness in bubblewrap sandboxes: the verifier sees the
+  mistakes (a demonstration without one resolves the task, one with a mistake does not), the
+  stitched samples carry no routing, and their loss tokens are exactly the demonstrator's replies.
+- `t1jax sft` on a small suite writes metrics, a summary and a checkpoint that
+  `t1jax.model.from_pretrained` loads; the loss falls; bad input exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sandbox_service.admission import AdmissionConfig, AdmissionController
+from sandbox_service.backends.local import LocalBackend
+from sandbox_service.tasks import load_task
+from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR, setup_toolchain
+from t1jax.agent.harness import HarnessConfig
+from t1jax.agent.parsing import parse_reply
+from t1jax.agent.tokenizer import load_project_tokenizer
+from t1jax.data.suite import SuiteConfig, generate_suite
+from t1jax.sft.demonstrator import CONFIRM_REPLY, DONE_REPLY, script_for
+from t1jax.sft.demos import collect_demonstrations
+from t1jax.tito.types import TrialStatus
+
+REPO = Path(__file__).resolve().parents[2]
+HARNESS = HarnessConfig(
+    terminal="exec",
+    prompt_profile="compact",
+    max_turns=12,
+    max_tokens_per_turn=96,
+    context_window=1024,
+    compaction=False,
+    min_turn_tokens=64,
+    observation_reserve_tokens=64,
+    summary_max_tokens=64,
+    max_output_bytes=1000,
+    default_command_duration_sec=10.0,
+)
+
+PLAN = {
+    "task_id": "suite/x",
+    "steps": [
+        {"number": 1, "idiom": "a", "sentence": "Move the only file in /app/in to /app/out.",
+         "inspect": ["ls /app/in"], "actions": ["mv /app/in/f /app/out/"],
+         "mistake_rate": 0.3, "mistakes": [{"name": "copy", "actions": ["cp /app/in/f /app/out/"]}]},
+        {"number": 2, "idiom": "b", "sentence": "Count the lines of /app/a into /app/b.",
+         "inspect": [], "actions": ["wc -l < /app/a > /app/b"],
+         "mistake_rate": 0.0, "mistakes": [{"name": "name", "actions": ["wc -l /app/a > /app/b"]}]},
+    ],
+}  # fmt: skip
+
+
+def commands_of(reply: str) -> list[str]:
+    parsed = parse_reply(reply, default_duration_sec=1.0, max_duration_sec=60.0)
+    assert parsed.ok, parsed.errors
+    return [c.command for c in parsed.commands]
+
+
+def test_scripts_follow_the_plan_at_the_mistake_rate():
+    rng = random.Random(0)
+    scripts = [script_for(PLAN, rng) for _ in range(2000)]
+    rate = sum(bool(s.mistakes) for s in scripts) / len(scripts)
+    assert abs(rate - 0.3) < 0.04  # binomial sd 0.01
+    for script in scripts[:50]:
+        assert [commands_of(r) for r in script.replies][0] == ["ls /app/in"]  # inspection first
+        expected = "cp /app/in/f /app/out/" if script.mistakes == ((1, "copy"),) else "mv /app/in/f /app/out/"
+        assert [commands_of(r) for r in script.replies][1:] == [[expected], ["wc -l < /app/a > /app/b"]]
+        notes = [reply.split("\n\n", 1)[0] for reply in script.replies]
+        assert notes == [
+            "Step 1: Move the only file in /app/in to /app/out. I look first.",
+            "Step 1: Move the only file in /app/in to /app/out. Now I act.",
+            "Step 2: Count the lines of /app/a into /app/b.",
+        ]
+    assert script_for(PLAN, random.Random(7)) == script_for(PLAN, random.Random(7))
+    done = parse_reply(DONE_REPLY, default_duration_sec=1.0, max_duration_sec=60.0)
+    assert done.ok and done.task_complete and not done.commands
+
+
+@pytest.fixture(scope="module")
+def toolchain():
+    return setup_toolchain(REPO / DEFAULT_TOOLCHAIN_DIR, quiet=True).directory
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("suite") / "suite"
+    generate_suite(out, SuiteConfig(n=16, seed=4))
+    return out
+
+
+def with_mistake_rate(task_dir: Path, target: Path, rate: float) -> Path:
+    """A copy of a suite task whose every step errs with probability `rate`."""
+    shutil.copytree(task_dir, target)
+    plan_path = target / "solution" / "plan.json"
+    plan = json.loads(plan_path.read_text())
+    for step in plan["steps"]:
+        step["mistake_rate"] = rate
+    plan_path.write_text(json.dumps(plan))
+    return target
+
+
+@pytest.mark.sandbox
+def test_demonstrations_run_in_real_sandboxes(suite, toolchain, tmp_path):
+    tokenizer = load_project_tokenizer()
+    source = sorted((suite / "train").iterdir())[0]
+    clean = load_task(with_mistake_rate(source, tmp_path / "clean", 0.0))
+    faulty = load_task(with_mistake_rate(source, tmp_path / "faulty", 1.0))
+    backend = LocalBackend(cache_dir=tmp_path / "cache", toolchain_dir=toolchain)
+    sandboxes = AdmissionController(backend, AdmissionConfig(max_live_sandboxes=2, create_rate_per_sec=None))
+    try:
+        demos = collect_demonstrations([clean, faulty], sandboxes, tokenizer, HARNESS, seed=0, verify=True)
+        assert not sandboxes.leak_check("sft-demos").leaked
+    finally:
+        sandboxes.shutdown()
+        backend.close()
+    good, bad = demos
+    for demo in demos:
+        assert demo.status is TrialStatus.COMPLETED, demo.detail
+        assert len(demo.samples) == 1 and demo.samples[0].routing is None
+    assert not good.mistakes and good.resolved and good.passed == good.total
+    assert len(bad.mistakes) == len(json.loads((source / "solution" / "plan.json").read_text())["steps"])
+    assert not bad.resolved and bad.passed < bad.total
+    # The loss tokens are the demonstrator's replies (each closed by <|im_end|>), nothing else.
+    plan = json.loads((tmp_path / "clean" / "solution" / "plan.json").read_text())
+    replies = script_for(plan, random.Random(f"0/{clean.task_id}/0")).replies + (DONE_REPLY, CONFIRM_REPLY)
+    sample = good.samples[0]
+    mask = np.asarray(sample.loss_mask, bool)
+    starts = np.flatnonzero(mask & ~np.concatenate([[False], mask[:-1]]))
+    ends = np.flatnonzero(mask & ~np.concatenate([mask[1:], [False]])) + 1
+    texts = [tokenizer.decode(sample.tokens[a:b]) for a, b in zip(starts, ends, strict=True)]
+    assert texts == [reply + "<|im_end|>" for reply in replies]
+
+
+def sft_config(tmp_path: Path) -> Path:
+    config = {
+        "model": str(REPO / "configs" / "tiny_cpu.yaml"),
+        "seed": 0,
+        "harness": {**{k: v for k, v in vars(HARNESS).items() if k in (
+            "max_turns", "max_tokens_per_turn", "context_window", "compaction", "min_turn_tokens",
+            "observation_reserve_tokens", "summary_max_tokens", "max_output_bytes",
+            "default_command_duration_sec", "prompt_profile")}, "terminal": "exec"},
+        "demonstrations": {"per_task": 1, "workers": 2, "verify": True},
+        "training": {"epochs": 2, "batch_samples": 4, "row_length_buckets": [1024], "rows_per_micro_batch": 2,
+                     "learning_rate": 3e-3},
+    }  # fmt: skip
+    path = tmp_path / "sft.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+def run_cli(*args, cwd=REPO):
+    return subprocess.run(
+        [sys.executable, "-m", "t1jax.cli", "sft", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=900,
+    )
+
+
+@pytest.mark.sandbox
+def test_sft_cli_end_to_end(suite, toolchain, tmp_path):
+    import jax.numpy as jnp
+
+    from t1jax.model import from_pretrained, load_config
+
+    tasks = tmp_path / "tasks"
+    for task_dir in sorted((suite / "train").iterdir())[:6]:
+        shutil.copytree(task_dir, tasks / task_dir.name)
+    out = tmp_path / "run"
+    done = run_cli("--config", str(sft_config(tmp_path)), "--tasks", str(tasks), "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "demonstrations 6/6" in done.stderr and "SFT done" in done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["demonstrations"] == 6 and summary["failed_demonstrations"] == 0
+    assert summary["verified_demonstrations"] == 6 and 0 < summary["verified_mean_reward"]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 5))  # 2 epochs x 6 samples / 4 per step
+    assert lines[-1]["loss"] < lines[0]["loss"]
+    assert len((out / "demonstrations.jsonl").read_text().splitlines()) == 6
+    model = from_pretrained(out / "checkpoint", dtype=jnp.float32)
+    assert model.config == load_config(REPO / "configs" / "tiny_cpu.yaml")
+    # Nothing already done is lost: the same --out is refused.
+    again = run_cli("--config", str(sft_config(tmp_path)), "--tasks", str(tasks), "--out", str(out))
+    assert again.returncode == 2 and "not empty" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_sft_cli_rejects_bad_input(tmp_path):
+    config = sft_config(tmp_path)
+    missing = run_cli(
+        "--config", str(config), "--tasks", str(tmp_path / "nope"), "--out", str(tmp_path / "o")
+    )
+    assert missing.returncode == 2 and "is not a directory" in missing.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training:\n  epoch: 3\n")
+    typo = run_cli("--config", str(bad), "--tasks", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert typo.returncode == 2 and "unknown key(s) ['epoch']" in typo.stderr
+    assert "Traceback" not in missing.stderr + typo.stderr
