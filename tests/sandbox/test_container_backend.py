@@ -93,9 +93,15 @@ def test_fork_bomb_hits_the_pids_limit(tmp_path, toolchain_dir, hello_task):
     try:
         sandbox = backend.create(hello_task, run_id="container-pids")
         result = sandbox.exec("bomb() { bomb | bomb & }; bomb", timeout_sec=3)
-        # The bomb's top shell returns at once; its children go on in the background (as after
-        # `docker exec`) until forks fail. The wrapper reports, or says it could not.
-        assert result.exit_code == 0 or "wrapper ended without reporting" in result.stderr, result
+        # The bomb's top shell returns at once and its children go on in the background (as after
+        # `docker exec`) until forks fail; on a loaded host the top shell may itself meet the limit
+        # and retry its forks past the timeout. Either way the call returns: with the shell's exit,
+        # the wrapper saying it could not report, or the timeout with bash's fork retries.
+        assert (
+            result.exit_code == 0
+            or "wrapper ended without reporting" in result.stderr
+            or (result.timed_out and "fork: retry" in result.stderr)
+        ), result
         # The kernel's own account of the container's pids cgroup, read from the host.
         cgroup = json.loads(_podman("inspect", sandbox.name))[0]["State"]["CgroupPath"]
         pids = next(
