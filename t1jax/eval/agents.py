@@ -21,8 +21,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from sandbox_service.solution import solution_commands
 from sandbox_service.contracts import Task
+from sandbox_service.solution import solution_commands
 from t1jax.agent import prompts
 from t1jax.agent.chat_template import render_tool_call_text
 from t1jax.agent.parsing import SHELL, TASK_COMPLETE

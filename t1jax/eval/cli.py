@@ -117,6 +117,7 @@ def evaluate(settings, args: argparse.Namespace) -> int:
             agent.register(spec)
         run_id = "eval-" + hashlib.sha256(str(Path(job_dir).resolve()).encode()).hexdigest()[:12]
         with sandbox_provider(args, run_id) as sandboxes:
+            job.audit_environments(sandboxes)
             scheduler = TrialScheduler(
                 sampler=agent.sampler,
                 sandboxes=sandboxes,
@@ -313,3 +314,13 @@ def print_table(result: dict, job_dir) -> None:
         )
     for skipped in result["skipped"]:
         console.print(f"skipped {skipped['task_id']}: {skipped['reason'][:200]}")
+    backends = ", ".join(result.get("backends", [])) or "-"
+    unfaithful = result.get("unfaithful", [])
+    console.print(
+        f"ran on {backends}; "
+        + (
+            f"{len(unfaithful)} task(s) on a stand-in image, e.g. {unfaithful[0]['environment'][:200]}"
+            if unfaithful
+            else "every task on its own image"
+        )
+    )

@@ -22,6 +22,11 @@ Invariants:
 - An errored trial (infrastructure failure) counts as reward 0 and is listed with its cause; a
   task the backend cannot build (or that failed to load) is listed as skipped with the reason
   and counted nowhere else.
+- Every trial's result names the environment it ran in (`environment`: the backend, the image,
+  every base image replaced by a stand-in; `faithful`: none was), from the backend's own
+  `EnvironmentAudit` (`sandbox_service.fidelity`), and result.json counts the unfaithful tasks: a
+  score is never silently earned on a different image. A task the audit says the backend cannot
+  run is skipped before any sandbox starts.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sandbox_service.contracts import Task, VerifierReport
+from sandbox_service.contracts import EnvironmentAudit, Task, VerifierReport
 from t1jax.eval.passk import bootstrap_interval, mean_pass_at_k
 from t1jax.rollout.types import SamplingParams
 from t1jax.runtime.records import resolved, trajectory_json
@@ -120,7 +125,9 @@ def harbor_reward(report: VerifierReport | None) -> float:
     return 1.0 if report.binary_outcome else 0.0
 
 
-def trial_result(trial: FinishedTrial, settings: EvalSettings) -> dict[str, Any]:
+def trial_result(
+    trial: FinishedTrial, settings: EvalSettings, environment: EnvironmentAudit | None = None
+) -> dict[str, Any]:
     """The trial's `result.json`: deterministic fields first, `timings` last."""
     task = trial.task
     trajectory = trial.trajectory
@@ -149,7 +156,52 @@ def trial_result(trial: FinishedTrial, settings: EvalSettings) -> dict[str, Any]
         "action_turns": trial.action_turns,
         "policy_version": trial.policy_version,
         "verifier": None if report is None else _report_json(report),
+        **environment_fields(environment),
         "timings": dataclasses.asdict(trial.timings),
+    }
+
+
+def environment_fields(environment: EnvironmentAudit | None) -> dict[str, Any]:
+    """What a trial's result says about where it ran (None: the provider could not be asked)."""
+    if environment is None:
+        return {"environment": None, "faithful": None}
+    return {
+        "environment": {
+            "backend": environment.backend,
+            "image": environment.image,
+            "substitutions": [
+                {"requested": sub.requested, "used": sub.used} for sub in environment.substitutions
+            ],
+            "describe": environment.describe(),
+        },
+        "faithful": environment.faithful,
+    }
+
+
+def skipped_result(task: Task, attempt: int, settings: EvalSettings, environment: EnvironmentAudit):
+    """The result of a trial never started: the backend's audit says it cannot run the task."""
+    return {
+        "trial_name": trial_name(task, attempt),
+        "task_id": task.task_id,
+        "attempt": attempt,
+        "category": task.category,
+        "difficulty": task.difficulty.value,
+        "agent": settings.agent,
+        "fate": TrialFate.FAILED.value,
+        "skipped": True,
+        "error": None,
+        "detail": environment.describe()[:2000],
+        "resolved": False,
+        "reward": 0.0,
+        "tests_passed": 0,
+        "tests_total": 0,
+        "test_count_reward": 0.0,
+        "status": None,
+        "action_turns": 0,
+        "policy_version": None,
+        "verifier": None,
+        **environment_fields(environment),
+        "timings": None,
     }
 
 
@@ -184,7 +236,9 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_trial(job_dir: Path, trial: FinishedTrial, settings: EvalSettings, decode) -> dict[str, Any]:
+def write_trial(
+    job_dir: Path, trial: FinishedTrial, settings: EvalSettings, decode, environment=None
+) -> dict[str, Any]:
     """Write one trial's directory; `result.json` goes last, so its presence means complete."""
     directory = job_dir / trial.trial_id
     if directory.exists():
@@ -209,7 +263,7 @@ def write_trial(job_dir: Path, trial: FinishedTrial, settings: EvalSettings, dec
         (directory / "verifier" / "reward.txt").write_text(f"{harbor_reward(report):g}\n")
         _write_json(directory / "verifier" / "ctrf.json", ctrf_json(report))
         _write_json(directory / "verifier" / "report.json", _report_json(report))
-    result = trial_result(trial, settings)
+    result = trial_result(trial, settings, environment)
     _write_json(directory / "result.json", result)
     return result
 
@@ -258,6 +312,7 @@ def aggregate(results: Iterable[Mapping[str, Any]], load_errors: Sequence[tuple[
         return {name: summary(rows) for name, rows in sorted(groups.items())}
 
     overall = summary(counted)
+    unfaithful = sorted({r["task_id"] for r in counted if r.get("faithful") is False})
     return {
         "format_version": FORMAT_VERSION,
         "n_total_trials": len(counted),
@@ -277,6 +332,15 @@ def aggregate(results: Iterable[Mapping[str, Any]], load_errors: Sequence[tuple[
             if r["error"] is not None
         ],
         "skipped": [{"task_id": t, "reason": why[:500]} for t, why in sorted(skipped_tasks.items())],
+        "backends": sorted({r["environment"]["backend"] for r in counted if r.get("environment")}),
+        "n_unfaithful_tasks": len(unfaithful),
+        "unfaithful": [
+            {"task_id": r["task_id"], "environment": r["environment"]["describe"]}
+            for r in counted
+            if r["task_id"] in unfaithful and r["attempt"] == min(
+                q["attempt"] for q in counted if q["task_id"] == r["task_id"]
+            )
+        ],
     }
 
 
@@ -298,6 +362,14 @@ class EvalJob:
         self.tasks = list(tasks)
         self.load_errors = [(str(getattr(e, "path", "?")), str(e)) for e in load_errors]
         self.specs = plan_trials(self.tasks, settings)
+        self.environments: dict[str, EnvironmentAudit] = {}
+
+    def audit_environments(self, provider) -> None:
+        """Ask `provider` how it will run each task (no sandbox starts); results name it, and the
+        tasks it cannot run are skipped with its reason."""
+        from sandbox_service.fidelity import environment_audit
+
+        self.environments = {task.task_id: environment_audit(task, provider) for task in self.tasks}
 
     def prepare(self) -> tuple[list[TrialSpec], dict[str, dict[str, Any]]]:
         """Create or check the job directory; returns (trials to run, results already on disk)."""
@@ -323,6 +395,10 @@ class EvalJob:
         todo: list[TrialSpec] = []
         for spec in self.specs:
             result_path = self.job_dir / spec.trial_id / "result.json"
+            environment = self.environments.get(spec.task.task_id)
+            if environment is not None and not environment.runnable and not result_path.exists():
+                result_path.parent.mkdir(parents=True, exist_ok=True)
+                _write_json(result_path, skipped_result(spec.task, spec.attempt, self.settings, environment))
             if result_path.exists():
                 done[spec.trial_id] = json.loads(result_path.read_text())
             else:
@@ -352,7 +428,9 @@ class EvalJob:
                 delivered += 1
                 if trial.fate is TrialFate.CANCELLED:  # interrupted: not a result, rerun on resume
                     continue
-                results[trial.trial_id] = write_trial(self.job_dir, trial, self.settings, decode)
+                results[trial.trial_id] = write_trial(
+                    self.job_dir, trial, self.settings, decode, self.environments.get(trial.task.task_id)
+                )
                 if on_trial is not None:
                     on_trial(results[trial.trial_id], len(results), len(self.specs))
         finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +69,33 @@ def test_oracle_resolves_every_task_and_nop_none(tmp_path):
     assert (trial / "verifier" / "reward.txt").read_text().strip() == "1"
     ctrf = json.loads((trial / "verifier" / "ctrf.json").read_text())
     assert {t["status"] for t in ctrf["results"]["tests"]} == {"passed"}
+    # Where it ran, from the backend's own audit: the local backend runs a stand-in root of the
+    # task's base image, so the score is marked unfaithful and the substitution is named.
+    assert oracle["backends"] == ["local"]
+    assert result["environment"]["backend"] == "local" and result["faithful"] is False
+    assert result["environment"]["substitutions"], result["environment"]
+    assert oracle["n_unfaithful_tasks"] == N_TASKS
+
+
+@pytest.mark.sandbox
+def test_a_task_the_backend_cannot_run_is_skipped_before_any_sandbox(tmp_path):
+    """A task asking for a GPU: the audit says the backend cannot run it; the job lists it as
+    skipped with the reason, counts it nowhere else, and starts no sandbox for it."""
+    tasks = tmp_path / "tasks"
+    shutil.copytree(TASKS / "harbor" / "hello-world", tasks / "hello-world")
+    shutil.copytree(TASKS / "harbor" / "hello-world", tasks / "needs-gpu")
+    toml = tasks / "needs-gpu" / "task.toml"
+    text = toml.read_text().replace('name = "t1jax/hello-world"', 'name = "t1jax/needs-gpu"')
+    toml.write_text(text.replace("[environment]", "[environment]\ngpus = 1"))
+    out = tmp_path / "job"
+    assert main(["eval", "--tasks", str(tasks), "--out", str(out), "--no-progress", "--agent", "oracle",
+                 "--attempts", "1"]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["n_total_trials"] == 1 and result["resolved_rate"] == 1.0
+    assert [s["task_id"] for s in result["skipped"]] == ["t1jax/needs-gpu"]
+    assert "needs_gpu" in result["skipped"][0]["reason"]
+    skipped = json.loads((out / "t1jax-needs-gpu__attempt-1" / "result.json").read_text())
+    assert skipped["skipped"] and skipped["timings"] is None  # never started
 
 
 @pytest.fixture(scope="module")
