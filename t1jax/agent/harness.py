@@ -108,7 +108,6 @@ class HarnessConfig:
     terminal: TerminalMode = TerminalMode.TMUX
     require_routing: bool = True  # MoE policies: a result without routing aborts the trial
     trim_routing: bool = True  # keep only the routing rows the stitched stream takes from a turn
-<<<<<<< HEAD
     # Deadline of one sampler call: the call may run to the agent deadline plus this grace (the
     # harness aborts it at the deadline; a live sampler answers at once), never longer than
     # `sampler_timeout_sec`. Past it the sampler is hung: the trial ends with SAMPLER_TIMEOUT.
@@ -117,9 +116,7 @@ class HarnessConfig:
     # A trial is generated under one policy version (App. 12.1); a turn served by another version
     # (a publication crossed the trial) ends it with POLICY_VERSION_CHANGED instead of mixing.
     single_policy_version: bool = True
-=======
     prompt_profile: str = "full"  # system prompt + tool schemas: a key of prompts.PROMPT_PROFILES
->>>>>>> demo-suite
 
     def __post_init__(self) -> None:
         positive = (
@@ -346,18 +343,12 @@ class _Trial:
         )
 
     def _loop(self) -> tuple[TrialStatus, str]:
-<<<<<<< HEAD
         if self._loop_state is None:
-            prompt = self._encode_messages(prompts.initial_messages(self.task.instruction, self.workdir))
+            prompt = self._encode_messages(
+                prompts.initial_messages(self.task.instruction, self.workdir, self.profile.system_prompt)
+            )
             self._loop_state = (prompt, 0, False)
         prompt, glue_start, confirm_pending = self._loop_state
-=======
-        prompt = self._encode_messages(
-            prompts.initial_messages(self.task.instruction, self.workdir, self.profile.system_prompt)
-        )
-        glue_start = 0
-        confirm_pending = False
->>>>>>> demo-suite
         while True:
             self._loop_state = (prompt, glue_start, confirm_pending)  # where a pause resumes from
             self._check_time()

@@ -106,6 +106,7 @@ class Controller:
         self.counters: Counter[str] = Counter()
         self.liveness: Liveness | None = None
         self.split = None
+        self.completed_step = 0  # the last step whose state is checkpointed (set by _build on resume)
         self.skip_publication_at: set[int] = set()  # fault injection for tests (a publication "lost")
         self.carried: list = []  # paused trials (partial rollouts), continued by the next rollout
         self._draw_of: dict[str, Any] = {}  # trial id -> the pool draw it plays
