@@ -447,7 +447,7 @@ def check_object_store_url(url: str) -> str | None:
     try:
         spec = tensorstore.KvStore.Spec(url).to_json()
     except ValueError as error:
-        return f"{url}: {str(error).rsplit(': ', 1)[-1]}"
+        return f"{url}: {': '.join(str(error).split(': ')[-2:])}"  # tensorstore's own reason
     if not spec.get("path"):
         return f"{url}: give a path inside the bucket (gs://bucket/path), not the bucket's root"
     return None

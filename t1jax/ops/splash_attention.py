@@ -59,7 +59,9 @@ def splash_attention(
 
     from t1jax.ops.pallas import require_tpu_or_interpret
 
-    require_tpu_or_interpret("splash attention (it needs a TPU; else execution.attention: blockwise)", interpret)
+    require_tpu_or_interpret(
+        "splash attention (it needs a TPU; else execution.attention: blockwise)", interpret
+    )
     batch, length, heads, head_dim = query.shape
     kv_heads = key.shape[2]
     groups = heads // kv_heads

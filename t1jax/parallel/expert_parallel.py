@@ -269,9 +269,12 @@ def expert_parallel_routed_experts(
         collective=_resolve_collective(collective, mesh),
         matmul=matmul,
     )
+    # A Pallas kernel's pallas_call (megablox gmm) declares its output without shard_map's
+    # varying-axes type, which a checked shard_map refuses; the XLA matmul keeps the checks.
     return jax.shard_map(
         body,
         mesh=mesh,
+        check_vma=matmul is grouped_matmul,
         in_specs=(
             tokens,
             tokens,

@@ -1,8 +1,9 @@
 """`ExecutionConfig` changes how the model computes, never what: the attention kernels (dense
 reference, blockwise, Pallas splash interpreted), the gated delta rule and grouped-matmul kernels
 (pure JAX, Pallas interpreted) and the layer scan give the same logits, routing and gradients on
-the same weights; a Pallas kernel off TPU without the interpreter is refused; the chunked target log-probabilities equal the log-softmax of
-the logits; presets carry the settings in an `execution:` section."""
+the same weights; a Pallas kernel off TPU without the interpreter is refused; the chunked target
+log-probabilities equal the log-softmax of the logits; presets carry the settings in an
+`execution:` section."""
 
 from __future__ import annotations
 

@@ -47,7 +47,9 @@ GATED_DELTA_RULE_KERNELS = ("jax", "pallas")
 GROUPED_MATMUL_KERNELS = ("ragged_dot", "megablox")
 
 
-_LOWERING_FOR_TPU: contextvars.ContextVar[bool] = contextvars.ContextVar("t1jax_lowering_for_tpu", default=False)
+_LOWERING_FOR_TPU: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "t1jax_lowering_for_tpu", default=False
+)
 
 
 @contextlib.contextmanager
