@@ -21,7 +21,8 @@ Fields:
   layer; the numerics are those of the unrolled loop.
 - `gated_delta_rule_kernel`: the chunked gated delta rule of the Gated DeltaNet training forward.
   "jax" (default): the pure-JAX reference `t1jax.ops.chunk_gated_delta_rule`; "pallas": the Pallas
-  TPU forward and backward kernels (`t1jax.ops.pallas.gated_delta_rule`). The Pallas kernel has no
+  TPU forward and backward kernels (`t1jax.ops.pallas.gated_delta_rule`), run per shard
+  (`t1jax.model.axes.per_shard`: a Mosaic kernel is not partitioned automatically). It has no
   context-parallel form: with context parallelism (> 1) the layer refuses "pallas" (the relayed
   scan of `t1jax.ops.context_parallel` is built from the reference's pieces).
 - `grouped_matmul_kernel`: the routed experts' grouped matmul (single-device and expert-parallel
@@ -105,9 +106,21 @@ class ExecutionConfig:
             from t1jax.ops.gated_delta_rule import chunk_gated_delta_rule
 
             return chunk_gated_delta_rule
+        from t1jax.model.axes import ACT_BATCH, ACT_HEADS, per_shard
         from t1jax.ops.pallas import chunk_gated_delta_rule
 
-        return functools.partial(chunk_gated_delta_rule, kernel="pallas", interpret=self.pallas_interpret)
+        kernel = functools.partial(chunk_gated_delta_rule, kernel="pallas", interpret=self.pallas_interpret)
+        heads = (ACT_BATCH, None, ACT_HEADS, None)  # q, k, v [B, T, H, d]: rows and heads independent
+
+        def rule(q, k, v, g, beta, *, segment_ids):
+            return per_shard(
+                lambda *a: kernel(*a[:5], segment_ids=a[5]),
+                (heads, heads, heads, heads[:3], heads[:3], (ACT_BATCH, None)),
+                (heads, (ACT_BATCH, ACT_HEADS, None, None)),
+                q, k, v, g, beta, segment_ids,
+            )  # fmt: skip
+
+        return rule
 
     def grouped_matmul(self) -> Callable:
         """`(lhs, rhs, group_sizes) -> ragged_dot(lhs, rhs, group_sizes)` by the kernel
