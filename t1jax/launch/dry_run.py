@@ -97,7 +97,10 @@ def _trainer_plan(config):
     if config.trainer.plan is not None:
         return load_plan(config.trainer.plan)
     mesh = dict(config.trainer.mesh or {"fsdp": config.devices.trainer})
-    return ShardingPlan(**mesh, name="trainer.mesh")
+    try:
+        return ShardingPlan.from_mapping({**mesh, "name": "trainer.mesh"}, source="trainer.mesh")
+    except TypeError as error:
+        raise ValueError(f"trainer.mesh: {error}") from error
 
 
 def _device_checks(config, plan) -> tuple[Check, int]:
