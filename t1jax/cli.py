@@ -11,6 +11,8 @@ does not pay for the trainer's imports and vice versa).
 - ``t1jax tasks generate``: write the synthetic task suite (``t1jax.data.tasks_cli``).
 - ``t1jax sft``: demonstrations -> SFT warm start -> checkpoint (``t1jax.sft.cli``).
 - ``t1jax demo``: base -> SFT -> critic warm-up -> RL -> held-out evaluation (``t1jax.demo.cli``).
+- ``t1jax launch --dry-run``: check a TPU pod run without the pod, write its manifests
+  (``t1jax.launch.dry_run``).
 
 Errors (the contract of every subcommand): bad input — a missing file, a malformed config, an
 impossible combination — is one line on stderr naming the problem and exit status 2; any other
@@ -34,6 +36,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("t1jax.demo.cli", "base -> SFT -> critic warm-up -> RL -> held-out evaluation in one directory"),
     "tasks": ("t1jax.data.tasks_cli", "synthetic task suite: `tasks generate --out DIR --n N --seed S`"),
     "sft": ("t1jax.sft.cli", "SFT warm start: demonstrations in sandboxes -> cross-entropy -> checkpoint"),
+    "launch": (
+        "t1jax.launch.dry_run",
+        "TPU pod run: `launch --config RUN.yaml --dry-run` checks it and writes its manifests",
+    ),
 }
 
 EXIT_USAGE = 2

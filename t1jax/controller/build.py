@@ -33,6 +33,7 @@ def load_models(config: RunConfig, base_dir: Path):
         from_pretrained,
         load_config,
     )
+    from t1jax.model.execution import DEFAULT_EXECUTION, with_execution
 
     model = config.model
     dtype = _DTYPES[model.dtype]
@@ -71,6 +72,9 @@ def load_models(config: RunConfig, base_dir: Path):
         )
     else:
         critic = Qwen35MoeCritic.from_actor(actor, rngs=nnx.Rngs(model.init_seed + 1))
+    execution = model.execution_config(base_dir)
+    if execution != DEFAULT_EXECUTION:  # the kernels the config pins (model.execution or the preset's)
+        actor, critic = with_execution(actor, execution), with_execution(critic, execution)
     return actor, critic, tokenizer
 
 

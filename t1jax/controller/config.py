@@ -3,7 +3,8 @@
 Sections (each a dataclass below; `configs/runs/*.yaml` spell them out):
 
     run          name, seed, steps, pathways
-    model        the architecture preset (or an HF checkpoint for the actor and the critic), dtypes
+    model        the architecture preset (or an HF checkpoint for the actor and the critic), dtypes,
+                 the execution settings (kernels: `t1jax.model.execution.ExecutionConfig`)
     devices      how many of the visible devices train and how many sample (disjoint: trainer first)
     trainer      the trainer mesh: a named sharding plan or mesh axis sizes
     sampler      the embedded JAX engine (slots, context, prefix cache, mesh) or vLLM
@@ -13,10 +14,13 @@ Sections (each a dataclass below; `configs/runs/*.yaml` spell them out):
     sampling     temperature / top-p / top-k of training rollouts
     rl           PPO, reward, advantages, optimizers, batching (`t1jax.rl.config.RLConfig`)
     schedule     batch (admitted) and launch (oversampled) sizes, one-step asynchrony
-    checkpoint   weights-only interval (the paper's 10) and the full resumable state's interval
+    checkpoint   weights-only interval (the paper's 10) and the full resumable state's interval and
+                 location (the run directory, or an object-store URL such as gs://bucket/path)
     liveness     probe grace / period / deadline (§7.3: 600 / 30 / 120 s), control-plane deadlines
     logging      metrics, TensorBoard, trajectories, the live display
     partial_rollouts  continuation of cancelled trials (off by default)
+    launch       the deployment on TPU pods (`t1jax.launch.LaunchParams`; optional: only
+                 `t1jax launch` reads it, `t1jax train` ignores it)
 
 Invariants:
 - A key that names no field is an error naming its section path and the known keys; so is a
@@ -28,6 +32,9 @@ Invariants:
   560 launched, weights every 10 steps, probes 600 / 30 / 120 s).
 - `resolved()` is the complete config with every default filled in; a run directory keeps it,
   and `t1jax train --resume` runs exactly it.
+- A location given as a URL (`gs://bucket/path`) is never touched while loading: its form is
+  checked by tensorstore's own URL parser (`check_object_store_url`), no network is used, and
+  its existence is not checked. Loading never imports the TPU packages (vllm, pathwaysutils).
 """
 
 from __future__ import annotations
@@ -71,6 +78,19 @@ class ModelSection:
     dtype: str = "float32"  # compute dtype
     param_dtype: str | None = None  # storage dtype (None: dtype); bf16 params get float32 masters
     init_seed: int = 0
+    # ExecutionConfig fields (kernels, blocks, layer scan); None: the preset's `execution:` section
+    execution: Mapping[str, Any] | None = None
+
+    def execution_config(self, base_dir: Path | None = None):
+        """The `t1jax.model.execution.ExecutionConfig` actor and critic compute with."""
+        from t1jax.model.execution import ExecutionConfig, load_execution
+
+        if self.execution is not None:
+            return ExecutionConfig.from_mapping(self.execution, source="model.execution")
+        if self.preset:
+            preset = Path(self.preset) if base_dir is None else resolve_path(self.preset, base_dir)
+            return load_execution(preset) if preset.is_file() else ExecutionConfig()
+        return ExecutionConfig()
 
 
 @dataclass(frozen=True)
@@ -175,6 +195,9 @@ class CheckpointSection:
     weights_every: int = 10
     state_every: int = 10
     keep_states: int = 2
+    # where the orbax learner states go: None = RUN/checkpoints/state; a local directory or a
+    # gs://bucket/path URL (orbax writes it through tensorstore's gcs driver)
+    state_directory: str | None = None
 
 
 @dataclass(frozen=True)
@@ -228,11 +251,13 @@ class RunConfig:
     liveness: LivenessSection = field(default_factory=LivenessSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     partial_rollouts: PartialRolloutsSection = field(default_factory=PartialRolloutsSection)
+    launch: Any = None  # t1jax.launch.LaunchParams, or None (no deployment described)
 
     # ---- checks ------------------------------------------------------------------------------
 
     def check(self, *, base_dir: Path | None = None) -> None:
-        """Every combination that cannot run, visible without devices (module docstring)."""
+        """Every combination that cannot run, visible without devices (module docstring).
+        `base_dir`: also check that local paths exist (relative ones resolved against it)."""
 
         def need(condition: bool, key: str, message: str) -> None:
             if not condition:
@@ -271,15 +296,21 @@ class RunConfig:
             "tasks.directory",
             "is required (a Terminal-Bench 1.x or Harbor directory)",
         )
-        if base_dir is not None:
-            for key, value in (
-                ("tasks.directory", self.tasks.directory),
-                ("model.preset", self.model.preset),
-                ("model.actor_checkpoint", self.model.actor_checkpoint),
-                ("model.critic_checkpoint", self.model.critic_checkpoint),
-            ):
-                if value:
-                    need(resolve_path(value, base_dir).exists(), key, f"{value} does not exist")
+        for key, value in self.locations():
+            if value and is_url(value):
+                need(key == "checkpoint.state_directory", key,
+                     f"{value}: only checkpoint.state_directory may be an object-store URL (this one "
+                     "is read from a local path: mount or copy it there)")  # fmt: skip
+                problem = check_object_store_url(value)
+                need(problem is None, key, str(problem))
+            elif value and base_dir is not None and key != "checkpoint.state_directory":
+                need(resolve_path(value, base_dir).exists(), key, f"{value} does not exist")
+        try:
+            self.model.execution_config(base_dir)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"model.execution: {error}") from error
+        if self.launch is not None:
+            self._check_launch()
         schedule = self.schedule
         need(schedule.batch_size <= schedule.launch_size, "schedule.batch_size",
              f"{schedule.batch_size} admitted cannot exceed the {schedule.launch_size} launched "
@@ -322,6 +353,32 @@ class RunConfig:
         need(self.rl.batching.rows_per_micro_batch > 0, "rl.batching.rows_per_micro_batch", "must be > 0")
         need(self.partial_rollouts.max_age_steps >= 1, "partial_rollouts.max_age_steps", "must be >= 1")
 
+    def locations(self) -> tuple[tuple[str, str | None], ...]:
+        """(key, value) of every path or URL the config names."""
+        return (
+            ("tasks.directory", self.tasks.directory),
+            ("model.preset", self.model.preset),
+            ("model.actor_checkpoint", self.model.actor_checkpoint),
+            ("model.critic_checkpoint", self.model.critic_checkpoint),
+            ("checkpoint.state_directory", self.checkpoint.state_directory),
+        )
+
+    def _check_launch(self) -> None:
+        """The deployment must prepare what the sandbox backend will use."""
+        launch, sandboxes = self.launch, self.sandboxes
+        if sandboxes.backend != "kubernetes":
+            raise ConfigError(f"launch: a TPU pod deployment runs sandboxes on Kubernetes; sandboxes.backend "
+                              f"is {sandboxes.backend!r}")  # fmt: skip
+        if sandboxes.namespace != launch.sandbox_namespace:
+            raise ConfigError(f"sandboxes.namespace {sandboxes.namespace!r} differs from "
+                              f"launch.sandbox_namespace {launch.sandbox_namespace!r}")  # fmt: skip
+        if sandboxes.runtime_class != launch.runtime_class:
+            raise ConfigError(f"sandboxes.runtime_class {sandboxes.runtime_class!r} differs from "
+                              f"launch.runtime_class {launch.runtime_class!r}")  # fmt: skip
+        if sandboxes.max_live > launch.max_sandboxes:
+            raise ConfigError(f"sandboxes.max_live {sandboxes.max_live} exceeds the namespace quota "
+                              f"launch.max_sandboxes {launch.max_sandboxes}")  # fmt: skip
+
     def check_devices(self, available: int, plan_devices: int | None = None) -> None:
         """The split against the devices the process sees (before any device work)."""
         need = self.devices.trainer + self.devices.sampler
@@ -339,13 +396,17 @@ class RunConfig:
     # ---- (de)serialisation -------------------------------------------------------------------
 
     def resolved(self) -> dict[str, Any]:
-        return _to_plain(self)
+        plain = _to_plain(self)
+        plain["launch"] = None if self.launch is None else self.launch.to_mapping()
+        return plain
 
     def with_absolute_paths(self, base_dir: Path) -> RunConfig:
         """The same config with every path absolute (a run directory's copy must not depend on
         where the original config file was)."""
 
         def absolute(value):
+            if value and is_url(value):
+                return value
             return None if not value else str(resolve_path(value, base_dir))
 
         model = dataclasses.replace(
@@ -355,6 +416,9 @@ class RunConfig:
             critic_checkpoint=absolute(self.model.critic_checkpoint),
         )
         tasks = dataclasses.replace(self.tasks, directory=absolute(self.tasks.directory) or "")
+        checkpoint = dataclasses.replace(
+            self.checkpoint, state_directory=absolute(self.checkpoint.state_directory)
+        )
         sandboxes = dataclasses.replace(
             self.sandboxes,
             cache_dir=absolute(self.sandboxes.cache_dir),
@@ -363,7 +427,30 @@ class RunConfig:
         trainer = self.trainer
         if trainer.plan and ("/" in trainer.plan or trainer.plan.endswith(".yaml")):
             trainer = dataclasses.replace(trainer, plan=absolute(trainer.plan))
-        return dataclasses.replace(self, model=model, tasks=tasks, sandboxes=sandboxes, trainer=trainer)
+        return dataclasses.replace(
+            self, model=model, tasks=tasks, sandboxes=sandboxes, trainer=trainer, checkpoint=checkpoint
+        )
+
+
+def is_url(value: str) -> bool:
+    """A location with a scheme (gs://...), as opposed to a local path."""
+    return "://" in value
+
+
+def check_object_store_url(url: str) -> str | None:
+    """What is wrong with an object-store URL, by tensorstore's own parser (the one orbax writes
+    through), or None. Only gs:// is accepted (the TPU pods' storage); nothing is contacted."""
+    if not url.startswith("gs://"):
+        return f"{url}: an object-store location must be a gs://bucket/path URL"
+    import tensorstore
+
+    try:
+        spec = tensorstore.KvStore.Spec(url).to_json()
+    except ValueError as error:
+        return f"{url}: {': '.join(str(error).split(': ')[-2:])}"  # tensorstore's own reason
+    if not spec.get("path"):
+        return f"{url}: give a path inside the bucket (gs://bucket/path), not the bucket's root"
+    return None
 
 
 def resolve_path(value: str, base_dir: Path) -> Path:
@@ -461,13 +548,30 @@ def run_config_from_dict(raw: Mapping[str, Any], *, source: str = "<dict>") -> R
                 sections[name] = rl_config_from_dict(value or {}, source=f"{source}: rl")
             except ValueError as error:
                 raise ConfigError(str(error)) from error
+        elif name == "launch":
+            sections[name] = None if value is None else _launch_from_dict(value)
         else:
             sections[name] = section_from_dict(hints[name], value, name)
     return RunConfig(**sections)
 
 
-def load_run_config(path: str | Path, *, overrides: Mapping[str, Any] | None = None) -> RunConfig:
-    """Read, check and return a run config (`overrides`: dotted keys, e.g. {"run.steps": 3})."""
+def _launch_from_dict(value: Any):
+    from t1jax.launch.manifests import LaunchParams
+
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"launch: must be a mapping of keys, got {type(value).__name__}")
+    try:
+        return LaunchParams.from_mapping(dict(value))
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"launch: {error}") from error
+
+
+def load_run_config(
+    path: str | Path, *, overrides: Mapping[str, Any] | None = None, check_paths: bool = True
+) -> RunConfig:
+    """Read, check and return a run config (`overrides`: dotted keys, e.g. {"run.steps": 3}).
+    `check_paths=False` skips the existence of local paths (a config for another machine, e.g.
+    the pod's paths of `t1jax launch --dry-run`); everything else is checked."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"run config {path} does not exist")
@@ -477,7 +581,7 @@ def load_run_config(path: str | Path, *, overrides: Mapping[str, Any] | None = N
         raise ConfigError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from error
     raw = apply_overrides(raw, overrides or {})
     config = run_config_from_dict(raw, source=str(path))
-    config.check(base_dir=path.parent)
+    config.check(base_dir=path.parent if check_paths else None)
     return config
 
 

@@ -189,7 +189,8 @@ class Controller:
         for error in load_errors:
             log.warning("task skipped: %s", error)
         self.checkpoints = LearnerCheckpoints(
-            self.run_dir.checkpoints / "state", max_to_keep=config.checkpoint.keep_states
+            config.checkpoint.state_directory or self.run_dir.checkpoints / "state",
+            max_to_keep=config.checkpoint.keep_states,
         )
         self._closers.append(self.checkpoints.close)
         self.completed_step = 0

@@ -111,6 +111,13 @@ class LaunchParams:
             values["env"] = tuple((str(k), str(v)) for k, v in dict(values["env"]).items())
         return cls(**values)
 
+    def to_mapping(self) -> dict[str, Any]:
+        """The inverse of `from_mapping` (YAML-ready: lists and a dict for `env`)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["command"] = list(self.command)
+        values["env"] = dict(self.env)
+        return values
+
 
 def _meta(name: str, namespace: str | None = None, labels: dict[str, str] | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name}

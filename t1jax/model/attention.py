@@ -27,6 +27,8 @@ other rows' lengths).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -34,12 +36,16 @@ from flax import nnx
 from t1jax.model.axes import (
     ACT_BATCH,
     ACT_HEADS,
+    ACT_KV_HEADS,
     ACT_LENGTH,
     EMBED,
     HEAD_DIM,
     KV_HEADS,
     Q_HEADS,
     constrain,
+    per_shard,
+    resolve_spec,
+    rules_in_scope,
 )
 from t1jax.model.config import Qwen35MoeConfig
 from t1jax.model.execution import DEFAULT_EXECUTION, ExecutionConfig
@@ -100,6 +106,31 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array) 
     return out.reshape(batch, q_len, num_heads, head_dim)
 
 
+def _splash_per_shard(query, key, value, segment_ids, execution: ExecutionConfig) -> jax.Array:
+    """The splash kernel on each device's rows (and heads, where query and kv heads split alike,
+    so each shard's query groups meet their own kv heads): a Mosaic kernel is not partitioned
+    automatically (`per_shard`)."""
+    from t1jax.ops.splash_attention import splash_attention
+
+    q_heads, kv_heads = ACT_HEADS, ACT_KV_HEADS
+    mesh, rules = jax.sharding.get_abstract_mesh(), rules_in_scope()
+    if not mesh.empty and rules:
+        q_spec = resolve_spec((None, None, q_heads, None), query.shape, mesh, rules)
+        kv_spec = resolve_spec((None, None, kv_heads, None), key.shape, mesh, rules)
+        if q_spec[2] != kv_spec[2]:
+            q_heads = kv_heads = None
+    kernel = functools.partial(
+        splash_attention,
+        block_q=execution.attention_block_q,
+        block_k=execution.attention_block_k,
+        interpret=execution.pallas_interpret,
+    )
+    q_names, kv_names = (ACT_BATCH, None, q_heads, None), (ACT_BATCH, None, kv_heads, None)
+    return per_shard(
+        kernel, (q_names, kv_names, kv_names, (ACT_BATCH, None)), (q_names,), query, key, value, segment_ids
+    )
+
+
 def attention_core(
     query: jax.Array, key: jax.Array, value: jax.Array, segment_ids: jax.Array, execution: ExecutionConfig
 ) -> jax.Array:
@@ -108,17 +139,7 @@ def attention_core(
     if execution.attention == "dense":
         return attend(query, key, value, packed_causal_mask(segment_ids))
     if execution.attention == "splash":
-        from t1jax.ops.splash_attention import splash_attention
-
-        return splash_attention(
-            query,
-            key,
-            value,
-            segment_ids,
-            block_q=execution.attention_block_q,
-            block_k=execution.attention_block_k,
-            interpret=execution.pallas_interpret,
-        )
+        return _splash_per_shard(query, key, value, segment_ids, execution)
     return blockwise_attention(
         query,
         key,

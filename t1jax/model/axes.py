@@ -123,6 +123,27 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def per_shard(fn, in_logical: Sequence, out_logical: Sequence, *args):
+    """``fn(*args)`` run on each device's shard: a ``shard_map`` over the mesh in scope with every
+    argument and result placed by its logical names (``resolve_spec``), for kernels that cannot be
+    partitioned automatically (Pallas / Mosaic calls). ``fn`` must be shard-local: each shard's
+    results depend only on its own shard of the arguments (e.g. rows and heads independent).
+    Without a multi-device mesh or rules in scope it is just ``fn(*args)``. The shard_map runs
+    without varying-axes checks: a ``pallas_call``'s outputs carry no varying-axes type."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = rules_in_scope()
+    if mesh.empty or math.prod(mesh.shape.values()) == 1 or not rules:
+        return fn(*args)
+    in_specs = tuple(
+        resolve_spec(names, x.shape, mesh, rules) for names, x in zip(in_logical, args, strict=True)
+    )
+    leaves, treedef = jax.tree.flatten(jax.eval_shape(fn, *args))
+    out_specs = treedef.unflatten(
+        [resolve_spec(names, x.shape, mesh, rules) for names, x in zip(out_logical, leaves, strict=True)]
+    )
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+
 def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
     """The logical axis names a model variable was declared with (None: replicated)."""
     names = variable.get_metadata().get("out_sharding")

@@ -19,19 +19,36 @@ Fields:
 - `scan_layers`: the training forward runs the decoder as a `lax.scan` over repeats of the
   layer-type period (Qwen3.5: [linear x 3, full x 1]), compiling one period instead of every
   layer; the numerics are those of the unrolled loop.
+- `gated_delta_rule_kernel`: the chunked gated delta rule of the Gated DeltaNet training forward.
+  "jax" (default): the pure-JAX reference `t1jax.ops.chunk_gated_delta_rule`; "pallas": the Pallas
+  TPU forward and backward kernels (`t1jax.ops.pallas.gated_delta_rule`), run per shard
+  (`t1jax.model.axes.per_shard`: a Mosaic kernel is not partitioned automatically). It has no
+  context-parallel form: with context parallelism (> 1) the layer refuses "pallas" (the relayed
+  scan of `t1jax.ops.context_parallel` is built from the reference's pieces).
+- `grouped_matmul_kernel`: the routed experts' grouped matmul (single-device and expert-parallel
+  dispatch alike). "ragged_dot" (default): `t1jax.ops.grouped_matmul` (`lax.ragged_dot`; its
+  tiled form when lowered for CPU); "megablox": JAX's megablox `gmm` Pallas TPU kernel.
+- `pallas_interpret`: run every Pallas kernel chosen above (splash, gated delta rule, megablox)
+  through Pallas' interpreter: how they are checked on CPU. Off TPU a Pallas kernel without it is
+  an error, never a silent switch to the reference (paper §7.2).
 
 Invariant: every setting computes the same function (up to float32 re-association); none changes
-a parameter, its name or its layout. The decode step (`decode_step`) is not governed by it.
+a parameter, its name or its layout; a kernel is used only where it is named (no fallback). The
+decode step (`decode_step`) and the sampler's prefill (`extend`) are not governed by the Gated
+DeltaNet and grouped-matmul kernel choices.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 ATTENTION_KERNELS = ("blockwise", "dense", "splash")
+GATED_DELTA_RULE_KERNELS = ("jax", "pallas")  # the names of t1jax.ops.pallas
+GROUPED_MATMUL_KERNELS = ("ragged_dot", "megablox")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +60,20 @@ class ExecutionConfig:
     attention_block_k: int = 512
     logits_chunk: int = 1024
     scan_layers: bool = False
+    gated_delta_rule_kernel: str = "jax"
+    grouped_matmul_kernel: str = "ragged_dot"
     pallas_interpret: bool = False
 
     def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_KERNELS:
-            raise ValueError(
-                f"execution.attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}"
-            )
+        for name, choices in (
+            ("attention", ATTENTION_KERNELS),
+            ("gated_delta_rule_kernel", GATED_DELTA_RULE_KERNELS),
+            ("grouped_matmul_kernel", GROUPED_MATMUL_KERNELS),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"execution.{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if not isinstance(self.pallas_interpret, bool) or not isinstance(self.scan_layers, bool):
+            raise ValueError("execution.pallas_interpret and execution.scan_layers must be true or false")
         for name in ("attention_block_q", "attention_block_k", "logits_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -64,6 +88,50 @@ class ExecutionConfig:
 
     def replace(self, **changes: Any) -> ExecutionConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def pallas_kernels(self) -> tuple[str, ...]:
+        """The Pallas kernels this setting uses (names for reports)."""
+        chosen = (
+            ("splash attention", self.attention == "splash"),
+            ("gated delta rule", self.gated_delta_rule_kernel == "pallas"),
+            ("megablox grouped matmul", self.grouped_matmul_kernel == "megablox"),
+        )
+        return tuple(name for name, used in chosen if used)
+
+    def chunk_gated_delta_rule(self) -> Callable:
+        """The chunked gated delta rule `gated_delta_rule_kernel` names, with
+        `t1jax.ops.chunk_gated_delta_rule`'s contract."""
+        if self.gated_delta_rule_kernel == "jax":
+            from t1jax.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            return chunk_gated_delta_rule
+        from t1jax.model.axes import ACT_BATCH, ACT_HEADS, per_shard
+        from t1jax.ops.pallas import chunk_gated_delta_rule
+
+        kernel = functools.partial(chunk_gated_delta_rule, kernel="pallas", interpret=self.pallas_interpret)
+        heads = (ACT_BATCH, None, ACT_HEADS, None)  # q, k, v [B, T, H, d]: rows and heads independent
+
+        def rule(q, k, v, g, beta, *, segment_ids):
+            return per_shard(
+                lambda *a: kernel(*a[:5], segment_ids=a[5]),
+                (heads, heads, heads, heads[:3], heads[:3], (ACT_BATCH, None)),
+                (heads, (ACT_BATCH, ACT_HEADS, None, None)),
+                q, k, v, g, beta, segment_ids,
+            )  # fmt: skip
+
+        return rule
+
+    def grouped_matmul(self) -> Callable:
+        """`(lhs, rhs, group_sizes) -> ragged_dot(lhs, rhs, group_sizes)` by the kernel
+        `grouped_matmul_kernel` names."""
+        if self.grouped_matmul_kernel == "ragged_dot":
+            from t1jax.ops.grouped_matmul import grouped_matmul
+
+            return grouped_matmul
+        from t1jax.ops.pallas import grouped_matmul
+
+        return functools.partial(grouped_matmul, kernel="megablox", interpret=self.pallas_interpret)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "execution") -> ExecutionConfig:

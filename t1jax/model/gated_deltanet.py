@@ -33,6 +33,7 @@ from flax import nnx
 
 from t1jax.model.axes import CONV_KERNEL, EMBED, HEAD_DIM, LINEAR_CONV, LINEAR_HEADS
 from t1jax.model.config import Qwen35MoeConfig
+from t1jax.model.execution import DEFAULT_EXECUTION, ExecutionConfig
 from t1jax.model.hooks import active_hooks
 from t1jax.model.norms import GatedRMSNorm
 from t1jax.model.params import log_uniform_decay, make_param, normal, ones, uniform
@@ -48,9 +49,18 @@ def l2_normalize(x: jax.Array) -> jax.Array:
 
 
 class GatedDeltaNet(nnx.Module):
-    def __init__(self, config: Qwen35MoeConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: Qwen35MoeConfig,
+        *,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+        execution: ExecutionConfig = DEFAULT_EXECUTION,
+    ):
         self.config = config
         self.dtype = dtype
+        self.execution = execution
         hidden = config.hidden_size
         heads_v, dv = config.linear_num_value_heads, config.linear_value_head_dim
         conv_dim, kernel = config.linear_conv_dim, config.linear_conv_kernel_dim
@@ -122,7 +132,15 @@ class GatedDeltaNet(nnx.Module):
         if sequence_ops is not None:
             x, segment_ids = sequence_ops.enter(x, segment_ids)
         conv = causal_conv1d if sequence_ops is None else sequence_ops.causal_conv1d
-        rule = chunk_gated_delta_rule if sequence_ops is None else sequence_ops.chunk_gated_delta_rule
+        if sequence_ops is None:
+            rule = self.execution.chunk_gated_delta_rule()
+        elif self.execution.gated_delta_rule_kernel != "jax":
+            raise ValueError(
+                f"execution.gated_delta_rule_kernel {self.execution.gated_delta_rule_kernel!r} has no "
+                "context-parallel form (context > 1 relays the chunked reference's scan): use 'jax'"
+            )
+        else:
+            rule = sequence_ops.chunk_gated_delta_rule
         qkv, z, beta, g = self._project(x)
         with jax.named_scope("conv"):
             conv_out, _ = conv(qkv, self._conv_weight(), segment_ids=segment_ids)

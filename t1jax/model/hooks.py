@@ -4,8 +4,9 @@ Four pieces of the forward couple tokens across the sequence or across experts; 
 is per token and GSPMD shards it from the logical axis names. Each piece has a single-device
 default in the model and may be replaced while tracing:
 
-- ``routed_experts(x, expert_ids, gate_weights, w_gate, w_up, w_down) -> [N, H]``: same contract
-  as ``t1jax.model.moe.routed_experts`` (expert parallelism swaps in an all-to-all dispatch).
+- ``routed_experts(x, expert_ids, gate_weights, w_gate, w_up, w_down, *, matmul) -> [N, H]``:
+  same contract as ``t1jax.model.moe.routed_experts`` (expert parallelism swaps in an all-to-all
+  dispatch); ``matmul`` is the layer's grouped-matmul kernel (``ExecutionConfig.grouped_matmul()``).
 - ``attention(query, key, value, segment_ids, *, execution) -> attn``: same contract as
   ``attend(query, key, value, packed_causal_mask(segment_ids))`` (context parallelism swaps in an
   attention whose causal mask follows each token's original position); ``execution`` is the

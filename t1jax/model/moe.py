@@ -10,10 +10,11 @@ Owns two pure functions and the module that wires them:
   exp(s_e) / sum_{e' in ids} exp(s_e'); this equals transformers' "softmax over all experts, take
   top-k, renormalise". The ids never carry gradient (top-k is not differentiable and replayed ids
   are data); the router weight gets its gradient through the gates only.
-- `routed_experts(x, expert_ids, gate_weights, w_gate, w_up, w_down)`: every token's k SwiGLU
-  experts as one grouped computation (sort assignments by expert, grouped matmuls
-  (`t1jax.ops.grouped_matmul`: `lax.ragged_dot`, or its tiled form on CPU), unsort, weighted
-  sum). An expert-parallel all-to-all dispatch can replace it behind the same signature.
+- `routed_experts(x, expert_ids, gate_weights, w_gate, w_up, w_down, *, matmul)`: every token's
+  k SwiGLU experts as one grouped computation (sort assignments by expert, grouped matmuls by the
+  kernel `matmul` (the module's `ExecutionConfig.grouped_matmul()`: `t1jax.ops.grouped_matmul`'s
+  `lax.ragged_dot`, or megablox `gmm`), unsort, weighted sum). An expert-parallel all-to-all
+  dispatch can replace it behind the same signature.
 
 Parameter layout:
   gate (router) [hidden, experts]              (embed, router)      computed in float32
@@ -31,6 +32,7 @@ from flax import nnx
 
 from t1jax.model.axes import EMBED, EXPERT, EXPERT_MLP, MLP, ROUTER
 from t1jax.model.config import Qwen35MoeConfig
+from t1jax.model.execution import DEFAULT_EXECUTION, ExecutionConfig
 from t1jax.model.hooks import active_hooks
 from t1jax.model.params import make_param, normal
 from t1jax.ops.grouped_matmul import grouped_matmul
@@ -65,6 +67,8 @@ def routed_experts(
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
+    *,
+    matmul=grouped_matmul,
 ) -> jax.Array:
     """sum_j gate_weights[n, j] * down(silu(x_n w_gate[e]) * (x_n w_up[e])), e = expert_ids[n, j].
 
@@ -77,10 +81,10 @@ def routed_experts(
     order = jnp.argsort(flat_ids, stable=True)
     sorted_tokens = jnp.take(x, order // top_k, axis=0)
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-    gate = grouped_matmul(sorted_tokens, w_gate, group_sizes)
-    up = grouped_matmul(sorted_tokens, w_up, group_sizes)
+    gate = matmul(sorted_tokens, w_gate, group_sizes)
+    up = matmul(sorted_tokens, w_up, group_sizes)
     hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-    expert_out = grouped_matmul(hidden, w_down, group_sizes)
+    expert_out = matmul(hidden, w_down, group_sizes)
     unsorted = jnp.take(expert_out, jnp.argsort(order), axis=0)
     unsorted = unsorted.reshape(num_tokens, top_k, -1).astype(jnp.float32)
     combined = jnp.einsum("nkh,nk->nh", unsorted, gate_weights.astype(jnp.float32))
@@ -113,9 +117,18 @@ class SharedExpert(nnx.Module):
 
 
 class SparseMoeBlock(nnx.Module):
-    def __init__(self, config: Qwen35MoeConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: Qwen35MoeConfig,
+        *,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
+        execution: ExecutionConfig = DEFAULT_EXECUTION,
+    ):
         self.config = config
         self.dtype = dtype
+        self.execution = execution
         init = normal(config.initializer_range)
         self.gate = make_param(
             rngs, init, (config.hidden_size, config.num_experts), param_dtype, (EMBED, ROUTER)
@@ -142,6 +155,7 @@ class SparseMoeBlock(nnx.Module):
                 self.experts.w_gate[...].astype(dtype),
                 self.experts.w_up[...].astype(dtype),
                 self.experts.w_down[...].astype(dtype),
+                matmul=self.execution.grouped_matmul(),
             )
         shared_gate = jax.nn.sigmoid(
             tokens.astype(jnp.float32) @ self.shared_expert_gate[...].astype(jnp.float32)

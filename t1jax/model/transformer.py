@@ -108,11 +108,15 @@ class DecoderLayer(nnx.Module):
                 config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution
             )
         else:
-            self.linear_attn = GatedDeltaNet(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.linear_attn = GatedDeltaNet(
+                config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution
+            )
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, eps=eps, param_dtype=param_dtype, rngs=rngs
         )
-        self.mlp = SparseMoeBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = SparseMoeBlock(
+            config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, execution=execution
+        )
 
     def _moe(self, hidden: jax.Array, replay_ids):
         with jax.named_scope("moe"):  # scopes name the profile's ops (bench/model_step.py --profile)

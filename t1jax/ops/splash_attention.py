@@ -57,11 +57,11 @@ def splash_attention(
     [B, T, heads, D] in the value dtype (rows that may read nothing: unspecified, finite)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    if not interpret and jax.default_backend() != "tpu":
-        raise ValueError(
-            f"the splash attention kernel needs a TPU (backend is {jax.default_backend()!r}); use "
-            "execution.attention: blockwise, or pallas_interpret: true for a (slow) interpreted run"
-        )
+    from t1jax.ops.pallas import require_tpu_or_interpret
+
+    require_tpu_or_interpret(
+        "splash attention (it needs a TPU; else execution.attention: blockwise)", interpret
+    )
     batch, length, heads, head_dim = query.shape
     kv_heads = key.shape[2]
     groups = heads // kv_heads

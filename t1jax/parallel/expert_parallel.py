@@ -47,7 +47,7 @@ gathered on entry by the shard_map and reduce-scattered on the way back.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -110,9 +110,10 @@ def _exclusive_cumsum(x, axis=0):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _local_experts(rows, local_ids, w_gate, w_up, w_down):
+def _local_experts(rows, local_ids, w_gate, w_up, w_down, matmul=grouped_matmul):
     """SwiGLU of each row with its local expert; ``local_ids == E_local`` marks an empty row
-    (output zero). Same arithmetic as ``routed_experts``' grouped computation."""
+    (output zero). Same arithmetic as ``routed_experts``' grouped computation (``matmul``: the
+    grouped matmul kernel, ``ExecutionConfig.grouped_matmul()``)."""
     num_local = w_gate.shape[0]
     order = jnp.argsort(local_ids, stable=True)
     sorted_rows = jnp.take(rows, order, axis=0)
@@ -120,17 +121,19 @@ def _local_experts(rows, local_ids, w_gate, w_up, w_down):
     group_sizes = jnp.bincount(
         jnp.where(real, local_ids, 0), weights=real.astype(jnp.int32), length=num_local
     ).astype(jnp.int32)
-    gate = grouped_matmul(sorted_rows, w_gate, group_sizes)
-    up = grouped_matmul(sorted_rows, w_up, group_sizes)
+    gate = matmul(sorted_rows, w_gate, group_sizes)
+    up = matmul(sorted_rows, w_up, group_sizes)
     hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(rows.dtype)
-    out = grouped_matmul(hidden, w_down, group_sizes)
+    out = matmul(hidden, w_down, group_sizes)
     # Rows past the groups are empty slots; ragged_dot leaves them unspecified on some backends.
     filled = jnp.arange(rows.shape[0]) < jnp.sum(group_sizes)
     out = jnp.where(filled[:, None], out, jnp.zeros((), out.dtype))
     return jnp.take(out, jnp.argsort(order), axis=0)
 
 
-def _shard_body(x, expert_ids, gate_weights, w_gate, w_up, w_down, *, expert_axis, tensor_axis, collective):
+def _shard_body(
+    x, expert_ids, gate_weights, w_gate, w_up, w_down, *, expert_axis, tensor_axis, collective, matmul
+):
     num_tokens, top_k = expert_ids.shape
     peers = lax.axis_size(expert_axis)
     experts_per_shard = w_gate.shape[0]
@@ -142,7 +145,7 @@ def _shard_body(x, expert_ids, gate_weights, w_gate, w_up, w_down, *, expert_axi
     sorted_ids = jnp.take(flat_ids, order)
     send_rows = jnp.take(x, order // top_k, axis=0)
     if peers == 1:  # every expert is local: this shard's tokens never leave it
-        returned = _local_experts(send_rows, sorted_ids, w_gate, w_up, w_down)
+        returned = _local_experts(send_rows, sorted_ids, w_gate, w_up, w_down, matmul)
     else:
         me = lax.axis_index(expert_axis)
         destination = sorted_ids // experts_per_shard
@@ -170,7 +173,7 @@ def _shard_body(x, expert_ids, gate_weights, w_gate, w_up, w_down, *, expert_axi
             output_offsets,
             recv_sizes,
         )
-        expert_out = _local_experts(recv_rows, recv_ids, w_gate, w_up, w_down)
+        expert_out = _local_experts(recv_rows, recv_ids, w_gate, w_up, w_down, matmul)
         # Back: peer s's rows sit at recv_offsets[s]; they land where s cut them (its input offset to me).
         return_offsets = _exclusive_cumsum(all_sizes, axis=1)[:, me]
         returned = exchange(
@@ -220,12 +223,14 @@ def expert_parallel_routed_experts(
     token_axes: Sequence[str] | str | None = None,
     tensor_axis: str | None = None,
     collective: str = "auto",
+    matmul: Callable = grouped_matmul,
 ) -> jax.Array:
     """``routed_experts`` with the experts sharded over ``expert_axis`` of ``mesh``.
 
     x [N, H]; expert_ids int32 [N, k]; gate_weights [N, k]; w_gate, w_up [E, H, I];
     w_down [E, I, H] (global arrays). ``token_axes``: mesh axes sharding N (default: every axis
     of size > 1 among data, fsdp, expert, context, in that order); ``tensor_axis``: shards I.
+    ``matmul``: each shard's grouped matmul (the model passes its ``ExecutionConfig``'s kernel).
     Returns [N, H] in x's dtype, equal to ``routed_experts`` up to float rounding of the
     tensor-axis sum (none without a tensor axis).
     """
@@ -262,10 +267,14 @@ def expert_parallel_routed_experts(
         expert_axis=expert_axis,
         tensor_axis=tensor_axis,
         collective=_resolve_collective(collective, mesh),
+        matmul=matmul,
     )
+    # A Pallas kernel's pallas_call (megablox gmm) declares its output without shard_map's
+    # varying-axes type, which a checked shard_map refuses; the XLA matmul keeps the checks.
     return jax.shard_map(
         body,
         mesh=mesh,
+        check_vma=matmul is grouped_matmul,
         in_specs=(
             tokens,
             tokens,

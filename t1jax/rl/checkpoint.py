@@ -39,7 +39,10 @@ class LearnerCheckpoints:
     def __init__(self, directory: str | Path, *, max_to_keep: int | None = 3):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
-        self.directory = Path(directory).resolve()
+        # An object-store URL (gs://bucket/path) goes to orbax as it is: its arrays are written
+        # through tensorstore's gcs driver, its metadata through etils.epath.
+        remote = isinstance(directory, str) and "://" in directory
+        self.directory = directory if remote else Path(directory).resolve()
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),

@@ -179,6 +179,29 @@ class _Work:
 
 
 # ---- the engine ----------------------------------------------------------------------------------
+def cache_shardings(cache: DecodeCache, mesh, rules: LogicalRules = DEFAULT_RULES) -> DecodeCache:
+    """The engine's placement of a decode cache (concrete or abstract) on `mesh` (a `Mesh` or an
+    `AbstractMesh`): rows over the batch axes, attention K/V over kv heads, recurrent states over
+    value heads."""
+
+    def spec(shape, logical):
+        return NamedSharding(mesh, resolve_spec(logical, shape, mesh, rules))
+
+    def sharding_of(layer):
+        if isinstance(layer, AttentionLayerCache):
+            kv = (ACT_BATCH, None, ACT_KV_HEADS, None)
+            return AttentionLayerCache(key=spec(layer.key.shape, kv), value=spec(layer.value.shape, kv))
+        return LinearLayerCache(
+            conv_state=spec(layer.conv_state.shape, (ACT_BATCH, None, None)),
+            recurrent_state=spec(layer.recurrent_state.shape, (ACT_BATCH, ACT_HEADS, None, None)),
+        )
+
+    return DecodeCache(
+        lengths=spec(cache.lengths.shape, (ACT_BATCH,)),
+        layers=tuple(sharding_of(layer) for layer in cache.layers),
+    )
+
+
 class JaxEngine:
     """Embedded sampler (see the module docstring). Use as a context manager or call `close()`."""
 
@@ -431,26 +454,7 @@ class JaxEngine:
         def make():
             return init_cache(self.model_config, cfg.max_batch, cfg.max_context, self._dtype)
 
-        cache = jax.eval_shape(make)
-
-        def sharding_of(layer):
-            if isinstance(layer, AttentionLayerCache):
-                spec = (ACT_BATCH, None, ACT_KV_HEADS, None)
-                return AttentionLayerCache(
-                    key=self._cache_spec(layer.key.shape, spec),
-                    value=self._cache_spec(layer.value.shape, spec),
-                )
-            return LinearLayerCache(
-                conv_state=self._cache_spec(layer.conv_state.shape, (ACT_BATCH, None, None)),
-                recurrent_state=self._cache_spec(
-                    layer.recurrent_state.shape, (ACT_BATCH, ACT_HEADS, None, None)
-                ),
-            )
-
-        shardings = DecodeCache(
-            lengths=self._cache_spec(cache.lengths.shape, (ACT_BATCH,)),
-            layers=tuple(sharding_of(layer) for layer in cache.layers),
-        )
+        shardings = cache_shardings(jax.eval_shape(make), self.mesh, self.rules)
         return jax.jit(make, out_shardings=shardings)()
 
     @staticmethod

@@ -10,6 +10,12 @@ sequence over context). ``lower_learner_programs`` traces and lowers them for a 
 default: its ragged_dot and ragged all-to-all), reporting the time each took; compiling a
 256-device TPU program needs the TPU backend, so that stops at StableHLO.
 
+``lower_sampler_step`` does the same for the embedded sampler's decode step (one token for every
+slot of a ``max_batch`` x ``max_context`` cache, then sampling) on an abstract mesh of the sampler
+share, with the engine's own parameter and cache placement (``t1jax.rollout.engine``).
+``lowering_for_tpu`` (``t1jax.ops.pallas``) is in force while tracing for TPU, so a config's Pallas
+kernels are lowered as Mosaic calls, as they would be on the pod.
+
 ``measure`` compiles one gradient program on the local devices and reads XLA's memory analysis
 (arguments + temporaries + outputs that do not alias a donated argument); ``calibrate`` fits the
 capacity model's coefficients to such measurements of both roles over ``CALIBRATION_POINTS``
@@ -20,7 +26,9 @@ and ``validate`` compares its predictions with fresh compilations (``VALIDATION_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -41,6 +49,7 @@ __all__ = [
     "calibrate",
     "learner_program_args",
     "lower_learner_programs",
+    "lower_sampler_step",
     "measure",
     "validate",
 ]
@@ -61,6 +70,7 @@ class LoweringReport:
     hlo_chars: int
     platform: str
     lowered: object = dataclasses.field(repr=False, default=None)
+    argument_bytes_per_device: int = 0  # the arguments' shards on one device (weights, cache, batch)
 
 
 def learner_program_args(
@@ -150,6 +160,37 @@ def _mesh_scope(mesh):
     return jax.set_mesh(mesh)
 
 
+def _kernel_scope(platform: str):
+    from t1jax.ops.pallas import lowering_for_tpu
+
+    return lowering_for_tpu() if platform == "tpu" else contextlib.nullcontext()
+
+
+def argument_bytes_per_device(args) -> int:
+    """Bytes of one device's shards of the abstract arguments (by each one's sharding)."""
+    total = 0
+    for leaf in jax.tree.leaves(args):
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            continue
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return int(total)
+
+
+def _lower(name, program, args, *, mesh, platform, report):
+    """Trace and lower one program; ``report(seconds_trace, seconds_lower, lowered)`` builds the
+    report (with the arguments' per-device bytes filled in)."""
+    with _mesh_scope(mesh), _kernel_scope(platform):
+        start = time.perf_counter()
+        traced = program.trace(*args)
+        traced_at = time.perf_counter()
+        lowered = traced.lower(lowering_platforms=(platform,))
+        lowered_at = time.perf_counter()
+    built = report(traced_at - start, lowered_at - traced_at, lowered)
+    return dataclasses.replace(built, argument_bytes_per_device=argument_bytes_per_device(args))
+
+
 def lower_learner_programs(
     config: Qwen35MoeConfig,
     plan: ShardingPlan,
@@ -166,26 +207,112 @@ def lower_learner_programs(
     reports = {}
     for name in programs:
         program, args, parameters = calls[name]
-        with _mesh_scope(mesh):
-            start = time.perf_counter()
-            traced = program.trace(*args)
-            traced_at = time.perf_counter()
-            lowered = traced.lower(lowering_platforms=(platform,))
-            lowered_at = time.perf_counter()
-        reports[name] = LoweringReport(
-            program=name,
-            plan=plan,
-            tokens=tokens,
-            rows=rows,
-            parameters=parameters,
+        reports[name] = _lower(
+            name,
+            program,
+            args,
+            mesh=mesh,
+            platform=platform,
+            report=lambda trace, lower, lowered, name=name, args=args, parameters=parameters: LoweringReport(
+                program=name,
+                plan=plan,
+                tokens=tokens,
+                rows=rows,
+                parameters=parameters,
+                arguments=len(jax.tree.leaves(args)),
+                seconds_trace=trace,
+                seconds_lower=lower,
+                hlo_chars=len(lowered.as_text()),
+                platform=platform,
+                lowered=lowered,
+            ),
+        )
+    return reports
+
+
+def lower_sampler_step(
+    config: Qwen35MoeConfig,
+    mesh_shape: dict[str, int],
+    *,
+    max_batch: int,
+    max_context: int,
+    kv_chunk: int = 256,
+    param_dtype=jnp.bfloat16,
+    compute_dtype=jnp.bfloat16,
+    platform: str = "tpu",
+) -> LoweringReport:
+    """Trace and lower the embedded sampler's decode step (module docstring) on an abstract mesh
+    of ``mesh_shape`` (axis sizes over the sampler share; the sampler never splits sequences)."""
+    from t1jax.model.cache import init_cache
+    from t1jax.model.params import abstract_params
+    from t1jax.model.transformer import Qwen35MoeForCausalLM
+    from t1jax.parallel.rules import DEFAULT_RULES, MESH_AXES, state_shardings
+    from t1jax.rollout.engine import cache_shardings
+    from t1jax.rollout.sampling import sample
+
+    unknown = sorted(set(mesh_shape) - set(MESH_AXES))
+    if unknown or mesh_shape.get("context", 1) != 1:
+        raise ValueError(f"sampler mesh {mesh_shape}: axes must be among {MESH_AXES}, context 1")
+    shape = tuple(int(mesh_shape.get(axis, 1)) for axis in MESH_AXES)
+    mesh = jax.sharding.AbstractMesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+    with abstract_params():
+        model = Qwen35MoeForCausalLM(config, dtype=compute_dtype, param_dtype=param_dtype)
+    graphdef, state = nnx.split(model)
+    shardings = state_shardings(state, mesh, DEFAULT_RULES)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    cache = jax.eval_shape(lambda: init_cache(config, max_batch, max_context, compute_dtype))
+    cache = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        cache,
+        cache_shardings(cache, mesh, DEFAULT_RULES),
+    )
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def rows(dtype):
+        return jax.ShapeDtypeStruct((max_batch,), dtype, sharding=replicated)
+
+    def decode(state, cache, tokens, live, index, temperature, top_k, top_p, seed_low, seed_high):
+        out, cache = nnx.merge(graphdef, state).decode_step(tokens, cache, active=live, kv_chunk=kv_chunk)
+        token, logprob, _ = sample(out.logits, temperature, top_k, top_p, seed_low, seed_high, index)
+        return token, logprob, out.routing, cache
+
+    args = (
+        state,
+        cache,
+        rows(jnp.int32),
+        rows(jnp.bool_),
+        rows(jnp.int32),
+        rows(jnp.float32),
+        rows(jnp.int32),
+        rows(jnp.float32),
+        rows(jnp.uint32),
+        rows(jnp.uint32),
+    )
+    program = jax.jit(decode, donate_argnums=(1,))
+    label = " ".join(
+        f"{axis[:2] if axis != 'context' else 'cp'}{size}"
+        for axis, size in zip(MESH_AXES, shape, strict=True)
+    )
+    return _lower(
+        "sampler_decode",
+        program,
+        args,
+        mesh=mesh,
+        platform=platform,
+        report=lambda trace, lower, lowered: LoweringReport(
+            program="sampler_decode",
+            plan=ShardingPlan(**dict(zip(MESH_AXES, shape, strict=True)), name=f"sampler {label}"),
+            tokens=max_context,
+            rows=max_batch,
+            parameters=sum(x.size for x in jax.tree.leaves(state)),
             arguments=len(jax.tree.leaves(args)),
-            seconds_trace=traced_at - start,
-            seconds_lower=lowered_at - traced_at,
+            seconds_trace=trace,
+            seconds_lower=lower,
             hlo_chars=len(lowered.as_text()),
             platform=platform,
             lowered=lowered,
-        )
-    return reports
+        ),
+    )
 
 
 def _compiler_options() -> dict:

@@ -1,7 +1,9 @@
 """`ExecutionConfig` changes how the model computes, never what: the attention kernels (dense
-reference, blockwise, Pallas splash interpreted) and the layer scan give the same logits, routing
-and gradients on the same weights; the chunked target log-probabilities equal the log-softmax of
-the logits; presets carry the settings in an `execution:` section."""
+reference, blockwise, Pallas splash interpreted), the gated delta rule and grouped-matmul kernels
+(pure JAX, Pallas interpreted) and the layer scan give the same logits, routing and gradients on
+the same weights; a Pallas kernel off TPU without the interpreter is refused; the chunked target
+log-probabilities equal the log-softmax of the logits; presets carry the settings in an
+`execution:` section."""
 
 from __future__ import annotations
 
@@ -81,10 +83,29 @@ def assert_same_run(got, want, segments, *, rtol):
         ExecutionConfig(
             attention="splash", attention_block_q=128, attention_block_k=128, pallas_interpret=True
         ),
+        ExecutionConfig(attention="dense", gated_delta_rule_kernel="pallas", pallas_interpret=True),
+        ExecutionConfig(attention="dense", grouped_matmul_kernel="megablox", pallas_interpret=True),
+        ExecutionConfig(
+            attention="splash",
+            attention_block_q=128,
+            attention_block_k=128,
+            gated_delta_rule_kernel="pallas",
+            grouped_matmul_kernel="megablox",
+            pallas_interpret=True,
+        ),
     ],
-    ids=["blockwise-small-blocks", "blockwise", "splash-interpreted"],
+    ids=[
+        "blockwise-small-blocks",
+        "blockwise",
+        "splash-interpreted",
+        "pallas-delta-rule-interpreted",
+        "megablox-interpreted",
+        "all-pallas-interpreted",
+    ],
 )
-def test_attention_kernels_match_the_dense_reference(tiny_model, padded_batch, execution):
+def test_kernels_match_the_jax_reference(tiny_model, padded_batch, execution):
+    """Every kernel choice against the pure-JAX choices (dense attention, the reference chunked
+    delta rule, ragged_dot): logits, routing, loss and every parameter's gradient."""
     ids, segments, _ = padded_batch
     want = run_model(with_execution(tiny_model, DENSE), ids, segments)
     got = run_model(with_execution(tiny_model, execution), ids, segments)
@@ -166,3 +187,20 @@ def test_presets_carry_execution_settings(tmp_path):
         ExecutionConfig(attention="flash")
     with pytest.raises(ValueError, match="multiple of 128"):
         ExecutionConfig(attention="splash", attention_block_q=100)
+
+
+def test_pallas_kernels_refuse_to_run_off_tpu_uninterpreted(tiny_model, padded_batch):
+    ids, segments, _ = padded_batch
+    for execution in (
+        ExecutionConfig(gated_delta_rule_kernel="pallas"),
+        ExecutionConfig(grouped_matmul_kernel="megablox"),
+    ):
+        with pytest.raises(ValueError, match="compiles for TPU only"):
+            run_model(with_execution(tiny_model, execution), ids, segments)
+
+
+def test_unknown_kernel_names_are_refused():
+    with pytest.raises(ValueError, match="gated_delta_rule_kernel must be one of"):
+        ExecutionConfig(gated_delta_rule_kernel="fla")
+    with pytest.raises(ValueError, match="grouped_matmul_kernel must be one of"):
+        ExecutionConfig(grouped_matmul_kernel="gmm")

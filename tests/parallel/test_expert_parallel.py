@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from t1jax.model.execution import ExecutionConfig
 from t1jax.model.moe import route, routed_experts
 from t1jax.parallel.expert_parallel import expert_parallel_routed_experts, padded_ragged_all_to_all
 
@@ -116,6 +117,29 @@ def test_expert_parallel_composes_with_data_and_tensor_axes():
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
     for got, want in zip(grads, want_grads, strict=True):
         assert _relative(got, want) < 1e-5
+
+
+def test_megablox_kernel_in_the_expert_parallel_dispatch_matches_single_device():
+    """The Pallas megablox matmul (interpreted) in every shard, tokens over (data, expert) and
+    intermediates over tensor (the shard_map runs without varying-axes checks for a Pallas
+    kernel; its tensor-axis psum must still sum exactly once), against the single-device MoE."""
+    x, router, weights, replay = _case(2)
+    mesh = _mesh((2, 2, 2), ("data", "expert", "tensor"))
+    megablox = ExecutionConfig(grouped_matmul_kernel="megablox", pallas_interpret=True).grouped_matmul()
+    dispatch = functools.partial(
+        expert_parallel_routed_experts,
+        mesh=mesh,
+        token_axes=("data", "expert"),
+        tensor_axis="tensor",
+        collective="padded",
+        matmul=megablox,
+    )
+    (loss, out), grads = _loss(dispatch, replay)(x, router, *weights)
+    (want_loss, want), want_grads = _loss(routed_experts, replay)(x, router, *weights)
+    assert _relative(out, want) < 1e-5
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    for name, got, want in zip(("x", "router", "w_gate", "w_up", "w_down"), grads, want_grads, strict=True):
+        assert _relative(got, want) < 1e-5, (name, _relative(got, want))
 
 
 def test_padded_collective_has_ragged_all_to_all_semantics():

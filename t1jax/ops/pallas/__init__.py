@@ -13,10 +13,18 @@ train-inference gap).
 Invariants: a Pallas kernel compiles for TPU (Mosaic) only; anywhere else it must be asked for
 with `interpret=True`, which runs the same kernel body through Pallas' interpreter (how the
 tests check it on CPU) — a "pallas" call off TPU without it is an error, not a silent switch to
-the reference. An unknown kernel name is an error.
+the reference. An unknown kernel name is an error. `lowering_for_tpu()` is the one exception:
+inside it a CPU host may trace the Mosaic kernels to lower a program for TPU without running it
+(`t1jax.tools.lowering`, `t1jax launch --dry-run`); compiling or running them still needs a TPU.
+The model picks its kernels from `t1jax.model.execution.ExecutionConfig`
+(`gated_delta_rule_kernel`, `grouped_matmul_kernel`, `attention: splash`, `pallas_interpret`).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import jax
 
@@ -29,12 +37,40 @@ __all__ = [
     "GROUPED_MATMUL_KERNELS",
     "chunk_gated_delta_rule",
     "grouped_matmul",
+    "lowering_for_tpu",
     "megablox_grouped_matmul",
     "pallas_chunk_gated_delta_rule",
+    "require_tpu_or_interpret",
 ]
 
 GATED_DELTA_RULE_KERNELS = ("jax", "pallas")
 GROUPED_MATMUL_KERNELS = ("ragged_dot", "megablox")
+
+
+_LOWERING_FOR_TPU: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "t1jax_lowering_for_tpu", default=False
+)
+
+
+@contextlib.contextmanager
+def lowering_for_tpu() -> Iterator[None]:
+    """Trace the Mosaic (TPU) kernels on any host, to lower a program for TPU (never to run it)."""
+    token = _LOWERING_FOR_TPU.set(True)
+    try:
+        yield
+    finally:
+        _LOWERING_FOR_TPU.reset(token)
+
+
+def require_tpu_or_interpret(what: str, interpret: bool) -> None:
+    """A Pallas TPU kernel runs on a TPU, through the interpreter, or is traced under
+    `lowering_for_tpu()`; anything else is an error naming `what` (never a silent fallback)."""
+    if interpret or _LOWERING_FOR_TPU.get() or jax.default_backend() == "tpu":
+        return
+    raise ValueError(
+        f"the {what} kernel compiles for TPU only (backend here: {jax.default_backend()!r}); pass "
+        "interpret=True (execution.pallas_interpret: true) to run it in Pallas interpret mode"
+    )
 
 
 def _check_kernel(
@@ -42,11 +78,8 @@ def _check_kernel(
 ) -> None:
     if kernel not in choices:
         raise ValueError(f"{what} kernel must be one of {choices}, got {kernel!r}")
-    if kernel == pallas_name and not interpret and jax.default_backend() != "tpu":
-        raise ValueError(
-            f"the {pallas_name!r} {what} kernel compiles for TPU only (backend here: "
-            f"{jax.default_backend()!r}); pass interpret=True to run it in Pallas interpret mode"
-        )
+    if kernel == pallas_name:
+        require_tpu_or_interpret(f"{pallas_name!r} {what}", interpret)
 
 
 def chunk_gated_delta_rule(
