@@ -27,7 +27,7 @@ def test_example_tasks_are_all_sound(backend):
             f"sales-report sound solution 7/7 noop 0/7 {ON_LOCAL} {PY311}",
             f"hello-world sound solution 2/2 noop 0/2 {ON_LOCAL} debian-trixie-ubuntu-base for "
             "ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624",
-            f"log-parsing sound solution 7/7 noop 0/7 {ON_LOCAL} python-3.13-trixie for "
+            f"log-parsing sound solution 7/7 noop 0/7 {ON_LOCAL} python-3.11-bookworm for "
             "python:3.12-slim-bookworm",
         ]
     )
