@@ -107,6 +107,7 @@ from sandbox_service.verifier import (
     find_runtime,
     manifest_of_sources,
     plan_verifier,
+    provide_test_packages,
     task_tests_sources,
     tests_manifest,
 )
@@ -851,7 +852,7 @@ class PodmanSandbox(ContainerSandbox):
             ensure_directory(Path(rootfs), "logs/verifier")
             env = {**self._prepared.env, **task.environment.env, **task.verifier_env, "HOME": "/root"}
             runtime = find_runtime(Path(image_root), search_path=env.get("PATH", _proc.DEFAULT_PATH))
-            plan = plan_verifier(task, env, runtime)
+            plan = provide_test_packages(plan_verifier(task, env, runtime), self._toolchain, runtime)
             env_file = verify_dir / "env"
             env_file.write_text("".join(f"{key}={value}\n" for key, value in plan.env.items()))
             mounts = [
