@@ -237,20 +237,23 @@ class PodmanEngine:
         return [self.binary, *self.global_args, *args]
 
     def call(self, *args: str, timeout_sec: float = 120.0, check: bool = True, stdin: bytes | None = None,
-             ) -> subprocess.CompletedProcess:  # fmt: skip
+             merge_stderr: bool = False) -> subprocess.CompletedProcess:  # fmt: skip
+        """Run podman `args`; `merge_stderr`: stderr interleaved into stdout (`.stderr` is b"")."""
         try:
             done = subprocess.run(
                 self.argv(*args),
                 input=stdin,
-                capture_output=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
                 timeout=timeout_sec,
                 env={"PATH": _proc.DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"},
                 cwd=self.work_dir,
             )
         except subprocess.TimeoutExpired as error:
             raise PodmanError(f"podman {' '.join(args[:2])} timed out after {timeout_sec:g} s") from error
+        done.stderr = done.stderr or b""
         if check and done.returncode != 0:
-            message = done.stderr.decode("utf-8", "replace").strip()[-3000:]
+            message = (done.stderr or done.stdout).decode("utf-8", "replace").strip()[-3000:]
             raise PodmanError(f"podman {' '.join(args[:3])} failed (exit {done.returncode}): {message}")
         return done
 
@@ -479,8 +482,10 @@ class PodmanBackend:
                     f"{LABEL_TASK}={task.task_id}",
                     str(context),
                 ]
-                try:
-                    done = self.engine.call(*args, timeout_sec=self.config.build_timeout_sec, check=False)
+                try:  # a RUN step's stderr (curl's, apt's errors) in order with its step's stdout
+                    done = self.engine.call(
+                        *args, timeout_sec=self.config.build_timeout_sec, check=False, merge_stderr=True
+                    )
                 except PodmanError as error:
                     raise BackendError(
                         f"task {task.task_id!r}: building its Dockerfile failed: {error}"
@@ -488,13 +493,12 @@ class PodmanBackend:
                 output = done.stdout.decode("utf-8", "replace").strip()
                 earlier = self._step_hosts.earlier_steps(output)
                 if done.returncode != 0:
-                    # The failing step's own output is on stdout; stderr only names the step.
-                    step = done.stderr.decode("utf-8", "replace").strip()[-1000:]
-                    tail = output[-2000:]
+                    # The failing step's output, then podman's line naming the step.
+                    tail = output[-3000:]
                     earlier = tuple(host for host in earlier if host not in unresolved_hosts(tail))
                     raise BackendError(
                         f"task {task.task_id!r}: building its Dockerfile failed "
-                        f"(exit {done.returncode}): {step}\n{tail}{earlier_steps_note(earlier)}"
+                        f"(exit {done.returncode}): {tail}{earlier_steps_note(earlier)}"
                     )
 
     # -- audit ---------------------------------------------------------------------------------------
