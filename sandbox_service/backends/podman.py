@@ -182,8 +182,10 @@ class StepHostLog:
 
     podman prints a step's output only when it builds the step; a later build that reuses the layer
     prints "Using cache". The hosts are kept per layer id (in `directory`, shared by every backend
-    on the host like the engine's layer store), so a later step failing after a cached
-    `curl ... | sh` that installed nothing is still traced to the unreachable host."""
+    on the host like the engine's layer store; every built layer gets a record, if only `[]`), so a
+    later step failing after a cached `curl ... | sh` that installed nothing is still traced to the
+    unreachable host. A cached layer without a record (built before records were kept, or by
+    another tool) is `unrecorded`: what its step printed is unknown."""
 
     _STEP = re.compile(r"^STEP \d+/\d+: ", re.MULTILINE)
     _LAYER = re.compile(r"^--> ([0-9a-f]{11,64})\s*$", re.MULTILINE)
@@ -191,10 +193,12 @@ class StepHostLog:
     def __init__(self, directory: Path):
         self.directory = directory
 
-    def earlier_steps(self, output: str) -> tuple[str, ...]:
+    def earlier_steps(self, output: str) -> tuple[tuple[str, ...], bool]:
         """Hosts that the completed steps of one `podman build`'s `output` could not resolve, built
-        now (recorded here) or reused from the cache (read back)."""
+        now (recorded here) or reused from the cache (read back); and whether a reused RUN step
+        had no record."""
         hosts: dict[str, None] = {}
+        unrecorded = False
         for segment in self._STEP.split(output)[1:]:
             layer = self._LAYER.search(segment)
             if layer is None:  # the failing (or unfinished) step
@@ -205,13 +209,13 @@ class StepHostLog:
                     found = tuple(json.loads(record.read_text()))
                 except (OSError, ValueError):
                     found = ()
+                    unrecorded = unrecorded or segment.startswith("RUN ")
             else:
                 found = unresolved_hosts(segment)
-                if found:
-                    self.directory.mkdir(parents=True, exist_ok=True)
-                    record.write_text(json.dumps(found))
+                self.directory.mkdir(parents=True, exist_ok=True)
+                record.write_text(json.dumps(found))
             hosts.update(dict.fromkeys(found))
-        return tuple(hosts)
+        return tuple(hosts), unrecorded
 
 
 class PodmanEngine:
@@ -482,24 +486,30 @@ class PodmanBackend:
                     f"{LABEL_TASK}={task.task_id}",
                     str(context),
                 ]
-                try:  # a RUN step's stderr (curl's, apt's errors) in order with its step's stdout
-                    done = self.engine.call(
-                        *args, timeout_sec=self.config.build_timeout_sec, check=False, merge_stderr=True
-                    )
-                except PodmanError as error:
-                    raise BackendError(
-                        f"task {task.task_id!r}: building its Dockerfile failed: {error}"
-                    ) from error
-                output = done.stdout.decode("utf-8", "replace").strip()
-                earlier = self._step_hosts.earlier_steps(output)
-                if done.returncode != 0:
+                for cache in ((), ("--no-cache",)):
+                    try:  # a RUN step's stderr (curl's, apt's errors) in order with its step's stdout
+                        done = self.engine.call(
+                            *args[:1], *cache, *args[1:], timeout_sec=self.config.build_timeout_sec,
+                            check=False, merge_stderr=True,
+                        )  # fmt: skip
+                    except PodmanError as error:
+                        raise BackendError(
+                            f"task {task.task_id!r}: building its Dockerfile failed: {error}"
+                        ) from error
+                    output = done.stdout.decode("utf-8", "replace").strip()
+                    earlier, unrecorded = self._step_hosts.earlier_steps(output)
+                    if done.returncode == 0:
+                        return
                     # The failing step's output, then podman's line naming the step.
                     tail = output[-3000:]
-                    earlier = tuple(host for host in earlier if host not in unresolved_hosts(tail))
-                    raise BackendError(
-                        f"task {task.task_id!r}: building its Dockerfile failed "
-                        f"(exit {done.returncode}): {tail}{earlier_steps_note(earlier)}"
-                    )
+                    if unrecorded and not earlier and not unresolved_hosts(tail):
+                        continue  # a reused step's output is unknown: build once more, uncached
+                    break
+                earlier = tuple(host for host in earlier if host not in unresolved_hosts(tail))
+                raise BackendError(
+                    f"task {task.task_id!r}: building its Dockerfile failed "
+                    f"(exit {done.returncode}): {tail}{earlier_steps_note(earlier)}"
+                )
 
     # -- audit ---------------------------------------------------------------------------------------
 

@@ -160,6 +160,13 @@ def test_a_build_that_cannot_resolve_a_host_is_a_skip_naming_it(any_backend, tmp
     for build in ("fresh", "cached"):
         [audit] = check_tasks(tmp_path / "pool", any_backend)
         assert audit.skipped and "deb.t1jax.invalid" in audit.reason, (build, audit.reason)
+    step_hosts = getattr(any_backend, "_step_hosts", None)
+    if step_hosts is not None:  # podman: a cached layer whose record is gone (built by older code)
+        for record in step_hosts.directory.glob("*.json"):
+            if "deb.t1jax.invalid" in record.read_text():
+                record.unlink()
+        [audit] = check_tasks(tmp_path / "pool", any_backend)  # rebuilt once without the cache
+        assert audit.skipped and "deb.t1jax.invalid" in audit.reason, ("unrecorded", audit.reason)
     # Any other build failure stays the task's own.
     (unreachable / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nRUN exit 3\n")
     [audit] = check_tasks(tmp_path / "pool", any_backend)
