@@ -10,10 +10,13 @@ always runs a stand-in's root (with its uids shifted into the sandboxes' uid ran
 
 Choosing a stand-in for `image` (`stand_in_for`): the image's family (python, debian, ubuntu,
 golang, gcc, node, eclipse-temurin/openjdk, rust, buildpack-deps, Terminal-Bench's t-bench bases)
-and the language version its tag names pick a Debian suite whose packages carry that version
-(bookworm: Python 3.11, GCC 12, Go 1.19, Node 18, JDK 17, Rust 1.63; trixie: Python 3.13, GCC 14,
-Go 1.24, Node 20, JDK 21, Rust 1.85). A version neither suite has maps to the nearest one, and the
-substitution says so ("Python 3.13 instead of 3.12"). Ubuntu maps to Debian (this host has no
+and its tag pick a Debian suite. A suite the tag names (`golang:1.22-bookworm`) is kept: the
+Dockerfile's `apt-get install` resolves against that suite's archive (package names, and versions
+pinned as `git=1:2.39.5-0+deb12u2`, exist only there), so the language version is then that suite's.
+Otherwise the language version picks the suite whose packages carry it (bookworm: Python 3.11,
+GCC 12, Go 1.19, Node 18, JDK 17, Rust 1.63; trixie: Python 3.13, GCC 14, Go 1.24, Node 20, JDK 21,
+Rust 1.85), and a version neither suite has maps to the nearest one. Either way the substitution
+names the mismatch ("Python 3.13 instead of 3.12"). Ubuntu maps to Debian (this host has no
 Ubuntu archive key). Alpine, CUDA and unknown families are unsupported, with the reason.
 
 What every stand-in adds to what its image has: `tmux` (the terminal harness needs it; Harbor
@@ -202,6 +205,23 @@ _UBUNTU_RELEASE = {"focal": "20.04", "jammy": "22.04", "noble": "24.04"}
 
 def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("."))
+
+
+def _named_suite(tag: str) -> _Suite | None:
+    """The Debian suite a tag names as a word (`1.22.7-bookworm`, `3.12-slim-trixie`), if any."""
+    return next((suite for suite in SUITES if suite.name in _tag_words(tag)), None)
+
+
+def _suite_for(tag: str, wanted: str, attribute: str) -> tuple[_Suite, str | None]:
+    """The suite for an image whose tag asks for `attribute` version `wanted`: the suite the tag
+    names, else `_nearest_suite`; with a note naming a version mismatch."""
+    named = _named_suite(tag)
+    if named is None:
+        return _nearest_suite(wanted, attribute)
+    have = str(getattr(named, attribute))
+    if _version_tuple(have) == _version_tuple(wanted):
+        return named, None
+    return named, f"{have} instead of {wanted} (the tag names Debian {named.name}, kept for its apt archive)"
 
 
 def _nearest_suite(wanted: str, attribute: str) -> tuple[_Suite, str | None]:
@@ -416,7 +436,7 @@ def stand_in_for(image: str) -> tuple[StandInRecipe, Substitution]:
         notes.append("Terminal-Bench base image rebuilt from Debian (its extra tools are not all here)")
     if name in ("python", "pypy"):
         version = _tag_version(tag) or _BY_NAME["trixie"].python
-        suite, mismatch = _nearest_suite(".".join(version.split(".")[:2]), "python")
+        suite, mismatch = _suite_for(tag, ".".join(version.split(".")[:2]), "python")
         recipe = _python_recipe(suite, slim="slim" in _tag_words(tag))
         if mismatch:
             notes.append(f"Python {mismatch}")
@@ -425,9 +445,6 @@ def stand_in_for(image: str) -> tuple[StandInRecipe, Substitution]:
         )
         if name == "pypy":
             notes.append("CPython instead of PyPy")
-        requested_suite = next((s for s in _BY_NAME if s in _tag_words(tag)), None)
-        if requested_suite and requested_suite != suite.name:
-            notes.append(f"Debian {suite.name} instead of {requested_suite}")
     elif name == "debian":
         words = _tag_words(tag)
         suite_name = next((_DEBIAN_ALIASES[w] for w in words if w in _DEBIAN_ALIASES), None)
@@ -455,28 +472,30 @@ def stand_in_for(image: str) -> tuple[StandInRecipe, Substitution]:
         recipe = _buildpack_recipe(_BY_NAME[suite_name])
     elif name == "golang":
         version = _tag_version(tag) or _BY_NAME["trixie"].go
-        suite, mismatch = _nearest_suite(".".join(version.split(".")[:2]), "go")
+        suite, mismatch = _suite_for(tag, ".".join(version.split(".")[:2]), "go")
         recipe = _golang_recipe(suite)
         if mismatch:
             notes.append(f"Go {mismatch}")
         notes.append("Debian's Go package, linked at /usr/local/go")
     elif name == "gcc":
         version = int((_tag_version(tag) or "14").split(".")[0])
-        suite = _BY_NAME["trixie"] if version >= 13 else _BY_NAME["bookworm"]
+        named = _named_suite(tag)
+        suite = named or (_BY_NAME["trixie"] if version >= 13 else _BY_NAME["bookworm"])
         available = {"bookworm": (11, 12), "trixie": (12, 13, 14)}[suite.name]
         used = version if version in available else min(available, key=lambda v: (abs(v - version), -v))
         recipe = _gcc_recipe(suite, used)
         if used != version:
-            notes.append(f"GCC {used} instead of {version}")
+            kept = f" (the tag names Debian {suite.name}, kept for its apt archive)" if named else ""
+            notes.append(f"GCC {used} instead of {version}{kept}")
     elif name == "node":
         version = (_tag_version(tag) or str(_BY_NAME["trixie"].node)).split(".")[0]
-        suite, mismatch = _nearest_suite(version, "node")
+        suite, mismatch = _suite_for(tag, version, "node")
         recipe = _node_recipe(suite, slim="slim" in _tag_words(tag))
         if mismatch:
             notes.append(f"Node.js {mismatch}")
     elif name in ("eclipse-temurin", "openjdk", "amazoncorretto", "maven"):
         version = (_tag_version(tag) or str(_BY_NAME["trixie"].jdk)).split(".")[0]
-        suite, mismatch = _nearest_suite(version, "jdk")
+        suite, mismatch = _suite_for(tag, version, "jdk")
         recipe = _java_recipe(suite, jre="jre" in _tag_words(tag))
         if mismatch:
             notes.append(f"JDK {mismatch}")
@@ -485,7 +504,7 @@ def stand_in_for(image: str) -> tuple[StandInRecipe, Substitution]:
             notes.append("no Maven installed")
     elif name == "rust":
         version = _tag_version(tag) or _BY_NAME["trixie"].rust
-        suite, mismatch = _nearest_suite(".".join(version.split(".")[:2]), "rust")
+        suite, mismatch = _suite_for(tag, ".".join(version.split(".")[:2]), "rust")
         recipe = _rust_recipe(suite)
         if mismatch:
             notes.append(f"Rust {mismatch}")

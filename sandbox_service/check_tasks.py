@@ -12,9 +12,10 @@ no-op whose verifier times out has failed: it did not pass). Without a per-asser
 verifier's binary outcome decides. Tasks that fail to load, cannot be built, have no reference
 solution or whose sandbox fails are unsound, with the reason. Tasks in a format no backend runs
 (multi-step, multi-container), tasks the backend skips (unsupported image, needs internet, GPU)
-and tasks whose image build failed on a host name this machine cannot resolve
-(`fidelity.build_failure_skip`) are *skipped*, with the reason: they are neither sound nor unsound
-here.
+tasks whose image build failed on a host name this machine cannot resolve
+(`fidelity.build_failure_skip`) and tasks whose reference solution fails only because its tests
+connect to a host outside the sandbox (`fidelity.verifier_network_skip`) are *skipped*, with the
+reason: they are neither sound nor unsound here.
 
 Invariants:
 - One `TaskAudit` per task directory found (loaded or not), in path order.
@@ -42,7 +43,7 @@ from sandbox_service.contracts import (
     TaskLimits,
     VerifierReport,
 )
-from sandbox_service.fidelity import build_failure_skip, environment_audit
+from sandbox_service.fidelity import build_failure_skip, environment_audit, verifier_network_skip
 from sandbox_service.solution import solution_commands
 from sandbox_service.tasks import UnsupportedTaskFormat, load_dataset
 
@@ -267,6 +268,21 @@ def audit_task(
             f"{skip[0].value}: {skip[1]}" if skip else f"sandbox failed: {error}",
             **base,
             skipped=skip is not None,
+            seconds=time.monotonic() - started,
+        )
+    network = None if solution.passes_all else verifier_network_skip(solution.output_tail)
+    if network is not None:
+        base["environment"] = dataclasses.replace(environment, skip_reason=network[0], detail=network[1])
+        return TaskAudit(
+            task.task_id,
+            task.source_dir,
+            False,
+            solution,
+            noop,
+            f"{network[0].value}: {network[1]}",
+            **base,
+            skipped=True,
+            solution_run=solution_run,
             seconds=time.monotonic() - started,
         )
     problems = []

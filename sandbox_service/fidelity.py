@@ -18,6 +18,10 @@ question on to the backend behind them.
 Some reasons only show once a build runs: `build_failure_skip` reads a failed build's output and
 names the hosts it could not resolve (`unreachable_host`): a Dockerfile that fetches from a host
 this machine cannot reach says nothing about the task, so the task is skipped, not judged unsound.
+An Ubuntu PPA (`add-apt-repository ppa:...`) counts as such a host (Launchpad), though
+add-apt-repository hides the failed lookup behind a traceback. `verifier_network_skip` does the
+same for a reference solution whose tests fail only because they connect to a host outside the
+sandbox (an external judge service): `needs_internet`, naming the host.
 
 Invariant: `environment_audit` starts no sandbox and never raises for a task that loaded; a backend
 that cannot describe itself gets an audit saying so (`detail`), with `substitutions` unknown (empty).
@@ -105,6 +109,48 @@ def earlier_steps_note(hosts: tuple[str, ...]) -> str:
     return "\n(earlier steps: " + "; ".join(f"Could not resolve host: {host}" for host in hosts) + ")"
 
 
+# add-apt-repository of an Ubuntu PPA: it asks api.launchpad.net and, when that cannot be reached,
+# dies in a traceback of its ppa module without naming the host.
+_PPA_FAILURE = re.compile(r"softwareproperties/ppa\.py|add-apt-repository\b[^\n']*\bppa:")
+LAUNCHPAD_HOST = "api.launchpad.net"
+
+# What a test's HTTP client or socket says when a host outside the sandbox cannot be reached;
+# each pattern captures the host (and port).
+_UNREACHABLE_PEER_PATTERNS = tuple(
+    re.compile(pattern)
+    for pattern in (
+        r"host='([\w.:-]+)', port=(\d+)\)[^\n]*?(?:Network is unreachable|No route to host|"
+        r"Name or service not known|Temporary failure in name resolution|NameResolutionError)",  # urllib3
+        r"Failed to connect to ([\w.:-]+) port (\d+)",  # curl (offline, only loopback answers at all)
+    )
+)
+_LOOPBACK = re.compile(r"^(localhost|127\.[\d.]+|::1|0\.0\.0\.0)$")
+
+
+def verifier_network_skip(output: str) -> tuple[SkipReason, str] | None:
+    """Why a task whose reference solution failed verification is skipped, or None: its tests
+    (`output`, the verifier's console) could not reach a host outside the sandbox, so the failure
+    says nothing about the task here. Loopback addresses never count (a service the task asks the
+    agent to run is the task's business)."""
+    peers: dict[str, None] = {}
+    for pattern in _UNREACHABLE_PEER_PATTERNS:
+        for match in pattern.finditer(output):
+            if not _LOOPBACK.match(match.group(1)):
+                peers.setdefault(f"{match.group(1)}:{match.group(2)}", None)
+    for host in unresolved_hosts(output):
+        if not _LOOPBACK.match(host):
+            peers.setdefault(host, None)
+    if not peers:
+        if "Network is unreachable" in output:  # urllib, http.client, sockets: no host named
+            return SkipReason.NEEDS_INTERNET, (
+                "its tests connect outside the sandbox (Network is unreachable), which has no network"
+            )
+        return None
+    return SkipReason.NEEDS_INTERNET, (
+        f"its tests connect to {', '.join(list(peers)[:4])}, which the sandbox cannot reach"
+    )
+
+
 def build_failure_skip(error: BaseException) -> tuple[SkipReason, str] | None:
     """Why a task whose sandbox failed to start is skipped rather than judged, or None.
 
@@ -114,6 +160,11 @@ def build_failure_skip(error: BaseException) -> tuple[SkipReason, str] | None:
     if "build" not in message.lower() and "dockerfile" not in message.lower():
         return None
     hosts = unresolved_hosts(message)
+    if not hosts and _PPA_FAILURE.search(message):
+        return SkipReason.UNREACHABLE_HOST, (
+            f"building its image adds an Ubuntu PPA, which needs {LAUNCHPAD_HOST} (Launchpad); "
+            "this machine cannot reach it"
+        )
     if not hosts:
         return None
     named = ", ".join(hosts[:4]) + (f" and {len(hosts) - 4} more" if len(hosts) > 4 else "")

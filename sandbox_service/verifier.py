@@ -30,7 +30,12 @@ How a task's tests are run (`plan_verifier`):
 - Otherwise, if the tests directory has pytest files, the pinned pytest runs them directly (the
   files the script names, else every `test_*.py` / `*_test.py`); the script is not executed,
   because its downloads could not work offline and would not be reproducible. The binary outcome
-  is then pytest's exit status.
+  is then pytest's exit status. The packages the script would have installed for its tests
+  (`uvx --with numpy==2.1.3`, `pip install scipy`; pytest itself excepted: the pinned one runs)
+  are the plan's `requirements`; `provide_test_packages` installs them on the service's host, from
+  PyPI, once per requirement set and interpreter version, into the toolchain directory
+  (`test-packages/`), and the launcher puts them after the toolchain on sys.path. Where PyPI cannot
+  be reached the plan's note says so and the tests run without them.
 - Otherwise the script runs as is (and will likely fail without network); the report says so.
 The pinned pytest always runs with `-rA -p no:cacheprovider -c <ini> --rootdir=/tests
 --confcutdir=/tests`, where `<ini>` is the tests directory's own pytest config or an empty one (so
@@ -47,12 +52,14 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
 import os
 import re
 import shlex
+import shutil
 import stat
 import struct
 import subprocess
@@ -72,7 +79,7 @@ PINNED_REQUIREMENTS = (
     "exceptiongroup==1.3.0",  # pytest's backports for Python < 3.11 images, installed unconditionally
     "tomli==2.2.1",
 )
-TOOLCHAIN_LAYOUT = "2"  # bump when the launcher or the shim change
+TOOLCHAIN_LAYOUT = "3"  # bump when the launcher or the shim change
 # Named by layout, so checkouts of different versions sharing one cache never rewrite each other's.
 DEFAULT_TOOLCHAIN_SUBDIR = f"verifier-toolchain-v{TOOLCHAIN_LAYOUT}"
 DEFAULT_TOOLCHAIN_DIR = Path(".cache") / "sandbox_service" / DEFAULT_TOOLCHAIN_SUBDIR
@@ -110,9 +117,10 @@ _INI_FILES = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.c
 
 _LAUNCHER = '''"""Runs the pinned pytest of this toolchain directory (written by sandbox_service.verifier).
 
-sys.path: this toolchain, the interpreter's (pristine) standard library, then for every directory
-in T1JAX_SITE_DIRS its pristine copy under T1JAX_IMAGE_ROOT and then its live copy, each with the
-path lines (never the import lines) of its .pth files.
+sys.path: this toolchain, the interpreter's (pristine) standard library, the test packages
+directory T1JAX_TEST_PACKAGES (what the task's test script would have installed), then for every
+directory in T1JAX_SITE_DIRS its pristine copy under T1JAX_IMAGE_ROOT and then its live copy, each
+with the path lines (never the import lines) of its .pth files.
 """
 import os
 import sys
@@ -141,6 +149,8 @@ def _add(directory):
                     sys.path.append(path)
 
 
+if os.environ.get("T1JAX_TEST_PACKAGES"):
+    _add(os.environ["T1JAX_TEST_PACKAGES"])
 _image = os.environ.get("T1JAX_IMAGE_ROOT", "")
 for _directory in filter(None, os.environ.get("T1JAX_SITE_DIRS", "").split(":")):
     if _image:
@@ -579,6 +589,7 @@ class VerifierPlan:
     env: Mapping[str, str]
     mode: str  # "script" or "pytest"
     note: str
+    requirements: tuple[str, ...] = ()  # "pytest" mode: what the replaced script installs for its tests
 
 
 def pytest_ini(task: Task) -> str:
@@ -677,7 +688,157 @@ def plan_verifier(
         f"ran pinned pytest on {', '.join(test_files)} instead of {script_name}, "
         f"which uses {network_use.group(0).strip()!r}; verifier interpreter: {runtime.note}"
     )
-    return VerifierPlan(argv, env, "pytest", note)
+    return VerifierPlan(argv, env, "pytest", note, script_test_requirements(code))
+
+
+# What a test script installs for its tests: `uvx`/`uv run --with REQ` (or -w), `pip install`, `uv add`.
+_INSTALL_COMMAND = re.compile(
+    r"(?<![\w.-])(?:(uvx|uv\s+(?:tool\s+)?run)|(?:uv\s+)?(?:pip3?|python3?\s+-m\s+pip)\s+install|uv\s+add)"
+    r"(?![\w.-])"
+)
+_SHELL_OPERATOR_CHARS = "();<>|&"  # shlex's punctuation: a token of only these ends the command
+_REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[\w,.-]*\])?((===?|>=|<=|~=|!=|<|>)[\w.*+!-]+)?$")
+_PIP_OPTIONS_WITH_VALUE = {
+    "-r", "--requirement", "-c", "--constraint", "-e", "--editable", "-i", "--index-url",
+    "--extra-index-url", "-f", "--find-links", "-t", "--target", "--prefix", "--root", "--python",
+    "--platform", "--python-version", "--implementation", "--abi", "--retries", "--timeout",
+    "--cache-dir", "--src", "--upgrade-strategy", "--progress-bar", "--log", "--proxy",
+}  # fmt: skip
+_PINNED_NAMES = {"pytest", "pytest-json-ctrf"}  # the toolchain has them (and its versions run)
+
+
+def script_test_requirements(script_code: str) -> tuple[str, ...]:
+    """The packages (PEP 508 names with an optional version) a test script installs for its tests,
+    in order, without pytest and pytest-json-ctrf; requirement files, URLs and paths are ignored."""
+    found: list[str] = []
+    text = re.sub(r"\\\n", " ", script_code)  # line continuations
+    for line in text.splitlines():
+        for match in _INSTALL_COMMAND.finditer(line):
+            rest = re.sub(r"(^|\s)\d+(?=[<>])", r"\1", line[match.end() :])  # `2>/dev/null`
+            lexer = shlex.shlex(rest, posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True  # words split at blanks and operators only
+            try:
+                tokens = list(lexer)
+            except ValueError:
+                continue
+            ends = [i for i, token in enumerate(tokens) if set(token) <= set(_SHELL_OPERATOR_CHARS)]
+            words = tokens[: ends[0]] if ends else tokens
+            found += _uv_with_values(words) if match.group(1) else _pip_arguments(words)
+    names = []
+    for requirement in dict.fromkeys(found):
+        name = re.split(r"[\[=<>!~]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+        if _REQUIREMENT.match(requirement) and name not in _PINNED_NAMES:
+            names.append(requirement)
+    return tuple(names)
+
+
+def _uv_with_values(words: list[str]) -> list[str]:
+    values = []
+    for index, word in enumerate(words):
+        if word in ("--with", "-w") and index + 1 < len(words):
+            values += words[index + 1].split(",")
+        elif word.startswith("--with="):
+            values += word.partition("=")[2].split(",")
+    return values
+
+
+def _pip_arguments(words: list[str]) -> list[str]:
+    values, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word.startswith("-"):
+            skip = word in _PIP_OPTIONS_WITH_VALUE
+        else:
+            values.append(word)
+    return values
+
+
+class PackageInstallFailed(RuntimeError):
+    """The packages a test script asks for could not be installed on the service's host."""
+
+
+TEST_PACKAGES_SUBDIR = "test-packages"
+# Wheels the stand-in and official images' glibc (>= 2.36) loads; pure-Python wheels always match.
+_WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                    "manylinux2010_x86_64", "manylinux1_x86_64")  # fmt: skip
+
+
+def install_test_packages(
+    toolchain: Toolchain,
+    requirements: tuple[str, ...],
+    python_version: tuple[int, int],
+    *,
+    python: str = sys.executable,
+    timeout_sec: float = 900.0,
+) -> Path:
+    """The directory (under `toolchain.directory`, so every sandbox that mounts the toolchain sees
+    it) holding `requirements` installed for CPython `python_version` on x86-64 Linux: wheels only,
+    from PyPI, once per requirement set and version (later calls reuse it; concurrent ones wait).
+    Raises `PackageInstallFailed` with pip's last line where they cannot be installed."""
+    major, minor = python_version
+    key = hashlib.sha256(
+        json.dumps([sorted(requirements), [major, minor], _WHEEL_PLATFORMS]).encode()
+    ).hexdigest()[:16]
+    parent = toolchain.directory / TEST_PACKAGES_SUBDIR
+    target = parent / f"cp{major}{minor}-{key}"
+    if (target / ".complete").is_file():
+        return target
+    parent.mkdir(mode=0o755, exist_ok=True)
+    with open(parent / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / ".complete").is_file():
+            return target
+        staging = parent / f".{target.name}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        command = [
+            python, "-m", "pip", "install", "--quiet", "--no-input", "--disable-pip-version-check",
+            "--no-cache-dir", "--target", str(staging), "--only-binary=:all:",
+            "--python-version", f"{major}.{minor}", "--implementation", "cp",
+            "--abi", f"cp{major}{minor}", "--abi", "abi3", "--abi", "none",
+            *(arg for platform in _WHEEL_PLATFORMS for arg in ("--platform", platform)),
+            *requirements,
+        ]  # fmt: skip
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_sec)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise PackageInstallFailed(one_line(error)) from error
+        if done.returncode != 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+            raise PackageInstallFailed(lines[-1].strip() if lines else f"pip exited {done.returncode}")
+        for path in [staging, *staging.rglob("*")]:  # readable by the sandboxes' unprivileged uids
+            if not path.is_symlink():
+                path.chmod(path.stat().st_mode | (0o555 if path.is_dir() else 0o444))
+        (staging / ".complete").write_text(json.dumps(list(requirements)))
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    return target
+
+
+def provide_test_packages(
+    plan: VerifierPlan, toolchain: Toolchain, runtime: VerifierRuntime, **install_options
+) -> VerifierPlan:
+    """`plan` with its `requirements` installed (`install_test_packages`) and put on the pinned
+    pytest's sys.path; unchanged but for a note where they cannot be had."""
+    if plan.mode != "pytest" or not plan.requirements:
+        return plan
+    wanted = ", ".join(plan.requirements)
+    if runtime.python_version is None:
+        note = f"{plan.note}; without {wanted} (interpreter version unknown)"
+        return dataclasses.replace(plan, note=note)
+    try:
+        directory = install_test_packages(
+            toolchain, plan.requirements, runtime.python_version, **install_options
+        )
+    except PackageInstallFailed as error:
+        note = f"{plan.note}; without {wanted}: installing them failed: {error}"
+        return dataclasses.replace(plan, note=note)
+    mounted = f"{TOOLCHAIN_MOUNT}/{directory.relative_to(toolchain.directory).as_posix()}"
+    env = {**plan.env, "T1JAX_TEST_PACKAGES": mounted}
+    note = f"{plan.note}; with {wanted} (installed from PyPI by the service)"
+    return dataclasses.replace(plan, env=env, note=note)
 
 
 def _pytest_files(task: Task, script_text: str) -> list[str]:

@@ -41,6 +41,7 @@ from sandbox_service.contracts import ExecResult, FailureCause, Task, TerminalRe
 from sandbox_service.errors import BackendError, BadRequest, SandboxClosed, SandboxStateError
 from sandbox_service.verifier import (
     REPORT_DIR,
+    TEST_PACKAGES_SUBDIR,
     TESTS_DIR,
     TOOLCHAIN_MOUNT,
     VERIFIER_TMP,
@@ -475,9 +476,9 @@ class ContainerSandbox(abc.ABC):
             if problems:
                 detail = "tests differ from the task's after copying them in: " + ", ".join(problems[:10])
                 return VerifierReport((), False, FailureCause.TESTS_TAMPERED, None, None, detail)
-            self.put_tree(
-                toolchain.directory, TOOLCHAIN_MOUNT, skip_dirs=frozenset({"__pycache__"}), gzip_level=6
-            )
+            # Not the host's test packages: built for its interpreters, and large (numpy, scipy).
+            skip = frozenset({"__pycache__", TEST_PACKAGES_SUBDIR})
+            self.put_tree(toolchain.directory, TOOLCHAIN_MOUNT, skip_dirs=skip, gzip_level=6)
             reset = (
                 f"rm -rf {VERIFIER_LOG_DIR} {VERIFIER_TMP} && mkdir -p {VERIFIER_LOG_DIR} {VERIFIER_TMP}\n"
             )

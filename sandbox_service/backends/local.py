@@ -118,6 +118,7 @@ from sandbox_service.verifier import (
     find_runtime,
     manifest_of_sources,
     plan_verifier,
+    provide_test_packages,
     task_tests_sources,
     tests_manifest,
 )
@@ -896,7 +897,8 @@ class LocalSandbox:
         ensure_directory(staging / "root", "logs/verifier", uid=SANDBOX_UID_BASE, gid=SANDBOX_UID_BASE)
         env = {**self.env, **task.verifier_env, "HOME": "/root", "USER": "root", "LOGNAME": "root"}
         runtime = find_runtime(staging / "pristine", search_path=env.get("PATH", DEFAULT_PATH))
-        plan = plan_verifier(task, env, runtime)
+        toolchain = Toolchain(self._backend.toolchain_dir)  # checked at create; mounted at launch
+        plan = provide_test_packages(plan_verifier(task, env, runtime), toolchain, runtime)
         tools = self._backend.tools
         host_binds = [arg for host, mount in runtime.host_mounts for arg in ("--ro-bind", host, mount)]
         userns = os.open(f"/proc/{self._holder.userns['verifier']}/ns/user", os.O_RDONLY)

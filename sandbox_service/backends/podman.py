@@ -107,6 +107,7 @@ from sandbox_service.verifier import (
     find_runtime,
     manifest_of_sources,
     plan_verifier,
+    provide_test_packages,
     task_tests_sources,
     tests_manifest,
 )
@@ -181,8 +182,10 @@ class StepHostLog:
 
     podman prints a step's output only when it builds the step; a later build that reuses the layer
     prints "Using cache". The hosts are kept per layer id (in `directory`, shared by every backend
-    on the host like the engine's layer store), so a later step failing after a cached
-    `curl ... | sh` that installed nothing is still traced to the unreachable host."""
+    on the host like the engine's layer store; every built layer gets a record, if only `[]`), so a
+    later step failing after a cached `curl ... | sh` that installed nothing is still traced to the
+    unreachable host. A cached layer without a record (built before records were kept, or by
+    another tool) is `unrecorded`: what its step printed is unknown."""
 
     _STEP = re.compile(r"^STEP \d+/\d+: ", re.MULTILINE)
     _LAYER = re.compile(r"^--> ([0-9a-f]{11,64})\s*$", re.MULTILINE)
@@ -190,10 +193,12 @@ class StepHostLog:
     def __init__(self, directory: Path):
         self.directory = directory
 
-    def earlier_steps(self, output: str) -> tuple[str, ...]:
+    def earlier_steps(self, output: str) -> tuple[tuple[str, ...], bool]:
         """Hosts that the completed steps of one `podman build`'s `output` could not resolve, built
-        now (recorded here) or reused from the cache (read back)."""
+        now (recorded here) or reused from the cache (read back); and whether a reused RUN step
+        had no record."""
         hosts: dict[str, None] = {}
+        unrecorded = False
         for segment in self._STEP.split(output)[1:]:
             layer = self._LAYER.search(segment)
             if layer is None:  # the failing (or unfinished) step
@@ -204,13 +209,13 @@ class StepHostLog:
                     found = tuple(json.loads(record.read_text()))
                 except (OSError, ValueError):
                     found = ()
+                    unrecorded = unrecorded or segment.startswith("RUN ")
             else:
                 found = unresolved_hosts(segment)
-                if found:
-                    self.directory.mkdir(parents=True, exist_ok=True)
-                    record.write_text(json.dumps(found))
+                self.directory.mkdir(parents=True, exist_ok=True)
+                record.write_text(json.dumps(found))
             hosts.update(dict.fromkeys(found))
-        return tuple(hosts)
+        return tuple(hosts), unrecorded
 
 
 class PodmanEngine:
@@ -236,20 +241,23 @@ class PodmanEngine:
         return [self.binary, *self.global_args, *args]
 
     def call(self, *args: str, timeout_sec: float = 120.0, check: bool = True, stdin: bytes | None = None,
-             ) -> subprocess.CompletedProcess:  # fmt: skip
+             merge_stderr: bool = False) -> subprocess.CompletedProcess:  # fmt: skip
+        """Run podman `args`; `merge_stderr`: stderr interleaved into stdout (`.stderr` is b"")."""
         try:
             done = subprocess.run(
                 self.argv(*args),
                 input=stdin,
-                capture_output=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
                 timeout=timeout_sec,
                 env={"PATH": _proc.DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"},
                 cwd=self.work_dir,
             )
         except subprocess.TimeoutExpired as error:
             raise PodmanError(f"podman {' '.join(args[:2])} timed out after {timeout_sec:g} s") from error
+        done.stderr = done.stderr or b""
         if check and done.returncode != 0:
-            message = done.stderr.decode("utf-8", "replace").strip()[-3000:]
+            message = (done.stderr or done.stdout).decode("utf-8", "replace").strip()[-3000:]
             raise PodmanError(f"podman {' '.join(args[:3])} failed (exit {done.returncode}): {message}")
         return done
 
@@ -478,23 +486,30 @@ class PodmanBackend:
                     f"{LABEL_TASK}={task.task_id}",
                     str(context),
                 ]
-                try:
-                    done = self.engine.call(*args, timeout_sec=self.config.build_timeout_sec, check=False)
-                except PodmanError as error:
-                    raise BackendError(
-                        f"task {task.task_id!r}: building its Dockerfile failed: {error}"
-                    ) from error
-                output = done.stdout.decode("utf-8", "replace").strip()
-                earlier = self._step_hosts.earlier_steps(output)
-                if done.returncode != 0:
-                    # The failing step's own output is on stdout; stderr only names the step.
-                    step = done.stderr.decode("utf-8", "replace").strip()[-1000:]
-                    tail = output[-2000:]
-                    earlier = tuple(host for host in earlier if host not in unresolved_hosts(tail))
-                    raise BackendError(
-                        f"task {task.task_id!r}: building its Dockerfile failed "
-                        f"(exit {done.returncode}): {step}\n{tail}{earlier_steps_note(earlier)}"
-                    )
+                for cache in ((), ("--no-cache",)):
+                    try:  # a RUN step's stderr (curl's, apt's errors) in order with its step's stdout
+                        done = self.engine.call(
+                            *args[:1], *cache, *args[1:], timeout_sec=self.config.build_timeout_sec,
+                            check=False, merge_stderr=True,
+                        )  # fmt: skip
+                    except PodmanError as error:
+                        raise BackendError(
+                            f"task {task.task_id!r}: building its Dockerfile failed: {error}"
+                        ) from error
+                    output = done.stdout.decode("utf-8", "replace").strip()
+                    earlier, unrecorded = self._step_hosts.earlier_steps(output)
+                    if done.returncode == 0:
+                        return
+                    # The failing step's output, then podman's line naming the step.
+                    tail = output[-3000:]
+                    if unrecorded and not earlier and not unresolved_hosts(tail):
+                        continue  # a reused step's output is unknown: build once more, uncached
+                    break
+                earlier = tuple(host for host in earlier if host not in unresolved_hosts(tail))
+                raise BackendError(
+                    f"task {task.task_id!r}: building its Dockerfile failed "
+                    f"(exit {done.returncode}): {tail}{earlier_steps_note(earlier)}"
+                )
 
     # -- audit ---------------------------------------------------------------------------------------
 
@@ -851,7 +866,7 @@ class PodmanSandbox(ContainerSandbox):
             ensure_directory(Path(rootfs), "logs/verifier")
             env = {**self._prepared.env, **task.environment.env, **task.verifier_env, "HOME": "/root"}
             runtime = find_runtime(Path(image_root), search_path=env.get("PATH", _proc.DEFAULT_PATH))
-            plan = plan_verifier(task, env, runtime)
+            plan = provide_test_packages(plan_verifier(task, env, runtime), self._toolchain, runtime)
             env_file = verify_dir / "env"
             env_file.write_text("".join(f"{key}={value}\n" for key, value in plan.env.items()))
             mounts = [

@@ -34,9 +34,17 @@ def test_image_references_parse_like_docker():
     [
         ("python:3.11-slim", "python-3.11-bookworm", "Debian's python3 package"),
         ("python:3.13", "python-3.13-trixie-full", "buildpack-deps tools"),
-        ("python:3.12-slim-bookworm", "python-3.13-trixie", "Python 3.13 instead of 3.12"),
-        ("public.ecr.aws/docker/library/python:3.13-slim-bookworm", "python-3.13-trixie",
-         "Debian trixie instead of bookworm"),
+        ("python:3.12-slim", "python-3.13-trixie", "Python 3.13 instead of 3.12"),
+        # A suite the tag names is kept (the Dockerfile's apt-get uses its archive), the language
+        # version is that suite's.
+        ("python:3.12-slim-bookworm", "python-3.11-bookworm",
+         "Python 3.11 instead of 3.12 (the tag names Debian bookworm"),
+        ("public.ecr.aws/docker/library/python:3.13-slim-bookworm", "python-3.11-bookworm",
+         "Python 3.11 instead of 3.13"),
+        ("python:3.11-slim-trixie", "python-3.13-trixie", "Python 3.13 instead of 3.11"),
+        ("golang:1.22.7-bookworm", "golang-1.19-bookworm", "Go 1.19 instead of 1.22 (the tag"),
+        ("gcc:13.3.0-bookworm", "gcc-12-bookworm", "GCC 12 instead of 13 (the tag names Debian"),
+        ("node:20-bookworm-slim", "node-18-bookworm", "Node.js 18 instead of 20"),
         ("ubuntu:24.04", "debian-trixie-ubuntu-base", "instead of Ubuntu 24.04"),
         ("ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624", "debian-trixie-ubuntu-base",
          "Terminal-Bench base image"),

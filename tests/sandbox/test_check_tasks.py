@@ -2,12 +2,19 @@
 
 import shutil
 import subprocess
+import sys
+import uuid
 
 import pytest
 
 from sandbox_service.check_tasks import TaskAudit, TrialOutcome, all_sound, check_tasks, format_audit_line
 from sandbox_service.contracts import SkipReason
-from sandbox_service.fidelity import environment_audit, unresolved_hosts
+from sandbox_service.fidelity import (
+    build_failure_skip,
+    environment_audit,
+    unresolved_hosts,
+    verifier_network_skip,
+)
 from sandbox_service.tasks import load_task
 
 from .conftest import HARBOR_HELLO, MALFORMED, TASKS, TB1_LOGS
@@ -27,7 +34,7 @@ def test_example_tasks_are_all_sound(backend):
             f"sales-report sound solution 7/7 noop 0/7 {ON_LOCAL} {PY311}",
             f"hello-world sound solution 2/2 noop 0/2 {ON_LOCAL} debian-trixie-ubuntu-base for "
             "ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624",
-            f"log-parsing sound solution 7/7 noop 0/7 {ON_LOCAL} python-3.13-trixie for "
+            f"log-parsing sound solution 7/7 noop 0/7 {ON_LOCAL} python-3.11-bookworm for "
             "python:3.12-slim-bookworm",
         ]
     )
@@ -146,10 +153,20 @@ def test_a_build_that_cannot_resolve_a_host_is_a_skip_naming_it(any_backend, tmp
     assert "deb.t1jax.invalid" in audit.reason
     assert audit.environment.skip_reason == SkipReason.UNREACHABLE_HOST
     assert "skipped on" in audit.line()
-    # The download failed quietly (`curl ... | sh` style) and a later step finds nothing installed.
-    dockerfile.write_text(f"FROM debian:bookworm\n{update} || true\nRUN test -x /usr/local/bin/tool\n")
-    [audit] = check_tasks(tmp_path / "pool", any_backend)
-    assert audit.skipped and "deb.t1jax.invalid" in audit.reason, audit.reason
+    # The download failed quietly (`curl ... | sh` style: the error only on stderr) and a later step
+    # finds nothing installed; again when the quiet step's layer comes from the build cache.
+    quiet = f"RUN : {uuid.uuid4().hex}\n{update} >/dev/null || true"  # fresh the first time
+    dockerfile.write_text(f"FROM debian:bookworm\n{quiet}\nRUN test -x /usr/local/bin/tool\n")
+    for build in ("fresh", "cached"):
+        [audit] = check_tasks(tmp_path / "pool", any_backend)
+        assert audit.skipped and "deb.t1jax.invalid" in audit.reason, (build, audit.reason)
+    step_hosts = getattr(any_backend, "_step_hosts", None)
+    if step_hosts is not None:  # podman: a cached layer whose record is gone (built by older code)
+        for record in step_hosts.directory.glob("*.json"):
+            if "deb.t1jax.invalid" in record.read_text():
+                record.unlink()
+        [audit] = check_tasks(tmp_path / "pool", any_backend)  # rebuilt once without the cache
+        assert audit.skipped and "deb.t1jax.invalid" in audit.reason, ("unrecorded", audit.reason)
     # Any other build failure stays the task's own.
     (unreachable / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nRUN exit 3\n")
     [audit] = check_tasks(tmp_path / "pool", any_backend)
@@ -175,3 +192,41 @@ def test_unresolved_hosts_read_from_each_tools_real_message(argv):
     )
     assert unresolved_hosts(done.stdout + done.stderr) == (host,)
     assert unresolved_hosts("ERROR: No matching distribution found for requests") == ()
+
+
+@pytest.mark.parametrize(
+    "argv,peer",
+    [
+        ([sys.executable, "-c", "import requests; requests.get('http://192.0.2.1:8081/health', timeout=5)"],
+         "192.0.2.1:8081"),
+        ([sys.executable, "-c", "import requests; requests.get('http://judge.t1jax.invalid:80/', timeout=5)"],
+         "judge.t1jax.invalid:80"),
+        (["curl", "-sS", "http://192.0.2.1:8081/health"], "192.0.2.1:8081"),
+        ([sys.executable, "-c", "import urllib.request as u; u.urlopen('http://192.0.2.1:8081/', timeout=5)"],
+         "Network is unreachable"),  # urllib names no host
+    ],
+    ids=["requests-unreachable", "requests-unresolved", "curl", "urllib"],
+)  # fmt: skip
+def test_tests_that_cannot_reach_an_outside_host_are_a_skip_naming_it(argv, peer):
+    """The real messages of a test's HTTP client in a network namespace with only loopback (as a
+    sandbox without internet has); a refused loopback connection is the task's own failure."""
+    done = subprocess.run(["unshare", "-n", *argv], capture_output=True, text=True, timeout=60)
+    reason, detail = verifier_network_skip(done.stdout + done.stderr)
+    assert reason == SkipReason.NEEDS_INTERNET and peer.split(":")[0] in detail
+    local = subprocess.run(["unshare", "-n", "curl", "-sS", "http://127.0.0.1:8081/"], capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert "Failed to connect to 127.0.0.1" in local.stderr and verifier_network_skip(local.stderr) is None
+
+
+def test_a_build_adding_an_ubuntu_ppa_is_a_skip_naming_launchpad():
+    # The end of Debian's add-apt-repository output when Launchpad cannot be reached (from a real
+    # Terminal-Bench task's build on a Debian stand-in): no host name in it.
+    log = (
+        "task 'x': building its Dockerfile failed (exit 1): ...\n"
+        '  File "/usr/lib/python3/dist-packages/softwareproperties/ppa.py", line 113, in lpteam\n'
+        "    self._lpteam = self.lp.people(self.teamname)\n"
+        "AttributeError: 'NoneType' object has no attribute 'people'\n"
+    )
+    reason, detail = build_failure_skip(RuntimeError(log))
+    assert reason == SkipReason.UNREACHABLE_HOST and "api.launchpad.net" in detail
+    assert build_failure_skip(RuntimeError("building its Dockerfile failed (exit 3)")) is None

@@ -1,6 +1,8 @@
 """Verifier planning (run the task's script or the pinned pytest), test checksums, the toolchain."""
 
+import dataclasses
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,9 @@ from sandbox_service.verifier import (
     find_runtime,
     manifest_of_sources,
     plan_verifier,
+    provide_test_packages,
     resolve_in_root,
+    script_test_requirements,
 )
 from sandbox_service.verifier import tests_manifest as manifest_of_tree
 
@@ -157,3 +161,54 @@ def test_toolchain_must_be_set_up(tmp_path, toolchain_dir):
     assert (toolchain.directory / "site" / "exceptiongroup").is_dir()  # pytest's backport for Python < 3.11
     assert (toolchain.directory / "site" / "pytest-8.4.1.dist-info").is_dir()
     assert (toolchain.directory / "site" / "pytest_json_ctrf-0.3.5.dist-info").is_dir()
+
+
+def test_requirements_of_a_replaced_script_are_what_it_installs_for_its_tests():
+    script = (
+        "curl -LsSf https://astral.sh/uv/0.9.7/install.sh | sh  # uv itself is no requirement\n"
+        "python3 -m pip install --break-system-packages -q pytest==9.0.3 2>/dev/null || true\n"
+        "pip install -r requirements.txt --index-url https://x numpy 'scipy>=1.14' $EXTRA ./local\n"
+        "uvx --python 3.12 --with pytest==8.4.1 -w pandas,polars==1.0 \\\n"
+        "  --with=pytest-json-ctrf==0.3.5 --with Pillow[avif]==11.0 pytest /tests/test_outputs.py\n"
+        "uv add requests; echo uvicorn is not uv\n"
+    )
+    assert script_test_requirements(script) == (
+        "numpy", "scipy>=1.14", "pandas", "polars==1.0", "Pillow[avif]==11.0", "requests",
+    )  # fmt: skip
+    assert script_test_requirements("pytest /tests -rA\n") == ()
+
+
+def test_packages_a_replaced_script_installs_are_provided_to_the_pinned_pytest(tmp_path, toolchain_dir):
+    """`uvx --with tomlkit==0.13.2`: the service installs it from PyPI (once, for the verifier's
+    interpreter version) into the toolchain, and the launcher really imports it from there."""
+    task_dir = shutil.copytree(HARBOR_HELLO, tmp_path / "t")
+    script = "uvx --with pytest==8.4.1 --with tomlkit==0.13.2 pytest /tests/test_outputs.py\n"
+    (task_dir / "tests" / "test.sh").write_text(script)
+    (task_dir / "tests" / "test_outputs.py").write_text(
+        "import tomlkit\n\ndef test_it():\n    assert tomlkit.__version__ == '0.13.2'\n"
+    )
+    runtime = find_runtime(Path("/"), search_path="/usr/local/bin:/usr/bin:/bin")
+    plan = plan_verifier(load_task(task_dir), BASE_ENV, runtime)
+    assert plan.mode == "pytest" and plan.requirements == ("tomlkit==0.13.2",)
+    toolchain = Toolchain.at(toolchain_dir)
+    provided = provide_test_packages(plan, toolchain, runtime)
+    assert provided.note.endswith("with tomlkit==0.13.2 (installed from PyPI by the service)")
+    mounted = provided.env["T1JAX_TEST_PACKAGES"]
+    assert mounted.startswith(f"{TOOLCHAIN_MOUNT}/test-packages/cp{runtime.python_version[0]}")
+    packages = mounted.replace(TOOLCHAIN_MOUNT, str(toolchain.directory))
+    launch = [runtime.python.program.replace(IMAGE_MOUNT, ""), *runtime.python_flags(),
+              str(toolchain.directory / "run_pytest.py"), "-q", "-p", "no:cacheprovider",
+              str(task_dir / "tests" / "test_outputs.py")]  # fmt: skip
+    env = {"PATH": "/usr/bin:/bin", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    without = subprocess.run(launch, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert without.returncode != 0 and "No module named 'tomlkit'" in without.stdout
+    done = subprocess.run(launch, env={**env, "T1JAX_TEST_PACKAGES": packages}, capture_output=True,
+                          text=True, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Installing them cannot fail the verifier: the note says why they are missing.
+    again = provide_test_packages(dataclasses.replace(plan, requirements=("tomlkit==0.13.1",)), toolchain,
+                                  runtime, python="/nonexistent/python3")  # fmt: skip
+    assert "T1JAX_TEST_PACKAGES" not in again.env
+    assert "without tomlkit==0.13.1: installing them failed" in again.note
+    script_plan = plan_verifier(load_task(HARBOR_HELLO), BASE_ENV, runtime)
+    assert provide_test_packages(script_plan, toolchain, runtime) is script_plan  # runs its own script
