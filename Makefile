@@ -26,7 +26,7 @@ DEFAULT_STAND_INS := python:3.11-slim debian:bookworm python:3.12-slim-bookworm 
 CORPUS_STAND_INS := golang:1.24-bookworm eclipse-temurin:21-jdk gcc:14
 
 .PHONY: setup setup-system setup-containers test test-slow test-containers bench lint setup-tpu \
-	test-tpu-contract
+	test-tpu-contract demo ablation
 
 setup: setup-system
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,17 @@ setup-containers:
 
 test:
 	$(PY) -m pytest -m "not slow" -n $(PYTEST_WORKERS) -q
+
+# The demo (README "The demo"): base -> SFT -> critic warm-up -> RL on a generated suite, held-out
+# evaluation of all three, the Table-1-style result in DEMO_OUT/summary.md. Re-running continues
+# where it stopped. `make ablation`: binary vs test-count reward, two RL campaigns from the same SFT.
+DEMO_OUT ?= runs/demo
+ABLATION_OUT ?= runs/ablation
+demo:
+	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(DEMO_OUT)
+
+ablation:
+	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(ABLATION_OUT) --ablation
 
 test-slow:
 	$(PY) -m pytest -m "slow" -q

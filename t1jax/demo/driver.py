@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -47,11 +48,15 @@ class TasksStage:
 
 @dataclass(frozen=True)
 class BaseStage:
-    """The base model: a fresh random init of `preset` (what the demo starts from), written as an
-    HF checkpoint."""
+    """The base model: a fresh random init of `preset`, then (`pretrain_steps` > 0) a short
+    pretraining on a copy-rich plain-text corpus (`t1jax.sft.pretrain`: no chat format, no task,
+    no command), written as an HF checkpoint."""
 
     preset: str = "model.yaml"
     seed: int = 0
+    pretrain_steps: int = 0
+    pretrain_rows: int = 16
+    pretrain_length: int = 128
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,11 @@ class EvalStage:
     top_p: float = 1.0
     top_k: int = 0
     max_turns: int = 8
+    max_tokens_per_turn: int = 96
+    context_window: int = 1024
+    terminal: str = "exec"  # as the SFT demonstrations and the RL harness
+    prompt_profile: str = "compact"
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,10 +114,39 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
 class Stage:
     """One step of the demo: a command, where it writes, how to tell it is complete."""
 
-    def __init__(self, name: str, command: list[str] | None, done: Path, *, action=None):
+    def __init__(self, name: str, command: list[str] | None, done: Path, *, action=None, workdir: Path | None = None):
+        # `workdir`: what the stage writes; an incomplete one (a stage stopped midway) is removed
+        # before the stage runs again, since the commands refuse a non-empty output directory.
         self.name, self.command, self.done, self.action = name, command, done, action
+        self.workdir = workdir
         self.seconds = 0.0
         self.skipped = False
+
+    def complete(self) -> bool:
+        """The stage's output is all there: its marker file exists, and a training run's status
+        says it finished (a run that failed or was interrupted has a status too)."""
+        if not self.done.is_file():
+            return False
+        if self.done.name == "status.json":
+            try:
+                return json.loads(self.done.read_text()).get("state") == "finished"
+            except (OSError, ValueError):
+                return False
+        return True
+
+    def clear(self) -> None:
+        """Remove what an incomplete earlier attempt left; the RL run directory keeps `eval/`
+        (the base and SFT evaluations live there too) but loses the RL checkpoint's."""
+        if self.workdir is None or not self.workdir.exists():
+            return
+        for entry in self.workdir.iterdir():
+            if entry.name == "eval":
+                for job in entry.glob("rl-*"):
+                    shutil.rmtree(job)
+            elif entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
 
 
 class Demo:
@@ -149,8 +188,9 @@ class Demo:
                     str(c.tasks.heldout_fraction),
                 ],
                 tasks / "manifest.json",
+                workdir=tasks,
             ),  # fmt: skip
-            Stage("base", None, out / "base" / "config.json", action=self._write_base),
+            self._base_stage(),
             Stage(
                 "sft",
                 [
@@ -163,22 +203,24 @@ class Demo:
                     "--out",
                     str(out / "sft"),
                     "--init",
-                    str(out / "base"),
+                    str(self.base_checkpoint),
                 ],
                 out / "sft" / "checkpoint" / "config.json",
+                workdir=out / "sft",
             ),  # fmt: skip
         ]
         warmup = self._train_command("warmup", c.warmup, actor=out / "sft" / "checkpoint", critic=None)
-        stages.append(Stage("warmup", warmup, out / "warmup" / "status.json"))
+        stages.append(Stage("warmup", warmup, out / "warmup" / "status.json", workdir=out / "warmup"))
         rl = self._train_command("rl", c.rl, actor=out / "sft" / "checkpoint", critic=out / "warmup")
-        stages.append(Stage("rl", rl, out / "rl" / "status.json"))
-        checkpoints = {"base": out / "base", "sft": out / "sft" / "checkpoint", "rl": out / "rl"}
+        stages.append(Stage("rl", rl, out / "rl" / "status.json", workdir=out / "rl"))
+        checkpoints = {"base": self.base_checkpoint, "sft": out / "sft" / "checkpoint", "rl": out / "rl"}
         for name, checkpoint in checkpoints.items():
             for mode in ("greedy", "sampled") if c.eval.greedy else ("sampled",):
                 job = out / "rl" / "eval" / f"{name}-{mode}"
                 stages.append(
                     Stage(
-                        f"eval {name} {mode}", self._eval_command(checkpoint, job, mode), job / "result.json"
+                        f"eval {name} {mode}", self._eval_command(checkpoint, job, mode), job / "result.json",
+                        workdir=job,
                     )
                 )
         return stages
@@ -197,11 +239,30 @@ class Demo:
         e = self.config.eval
         command = [sys.executable, "-m", "t1jax.cli", "eval", "--tasks", str(self.out / "tasks" / "heldout"),
                    "--checkpoint", str(checkpoint), "--out", str(job), "--concurrency", str(e.concurrency),
-                   "--max-turns", str(e.max_turns), "--no-progress", "--context-window", "4096"]  # fmt: skip
+                   "--max-turns", str(e.max_turns), "--no-progress", "--context-window", str(e.context_window),
+                   "--max-tokens-per-turn", str(e.max_tokens_per_turn), "--terminal", e.terminal,
+                   "--prompt-profile", e.prompt_profile, "--seed", str(e.seed)]  # fmt: skip
         if mode == "greedy":
             return [*command, "--greedy", "--attempts", "1"]
         return [*command, "--attempts", str(e.sampled_attempts), "--temperature", str(e.temperature),
                 "--top-p", str(e.top_p), "--top-k", str(e.top_k)]  # fmt: skip
+
+    @property
+    def base_checkpoint(self) -> Path:
+        if self.config.base.pretrain_steps > 0:
+            return self.out / "pretrain" / "checkpoint"
+        return self.out / "base"
+
+    def _base_stage(self) -> Stage:
+        base = self.config.base
+        if base.pretrain_steps <= 0:
+            return Stage("base", None, self.base_checkpoint / "config.json", action=self._write_base,
+                         workdir=self.out / "base")  # fmt: skip
+        command = [sys.executable, "-m", "t1jax.sft.pretrain", "--model", str(self.path(base.preset)),
+                   "--out", str(self.out / "pretrain"), "--seed", str(base.seed),
+                   "--steps", str(base.pretrain_steps), "--rows", str(base.pretrain_rows),
+                   "--length", str(base.pretrain_length)]  # fmt: skip
+        return Stage("base", command, self.base_checkpoint / "config.json", workdir=self.out / "pretrain")
 
     def _write_base(self) -> None:
         from flax import nnx
@@ -219,12 +280,13 @@ class Demo:
         stages = self.stages()
         started = time.monotonic()
         for stage in stages:
-            if stage.done.exists():
+            if stage.complete():
                 stage.skipped = True
                 continue
             if display is not None:
                 display(stages, stage)
             began = time.monotonic()
+            stage.clear()
             if stage.action is not None:
                 stage.action()
             else:
@@ -243,7 +305,7 @@ class Demo:
             process = subprocess.run(
                 stage.command, stdout=out, stderr=subprocess.STDOUT, env=self.env, check=False
             )
-        if process.returncode != 0 or not stage.done.exists():
+        if process.returncode != 0 or not stage.complete():
             tail = log.read_text().strip().splitlines()[-5:]
             raise RuntimeError(
                 f"demo stage {stage.name!r} failed (exit {process.returncode}); {log}: " + " | ".join(tail)
