@@ -21,7 +21,7 @@ SYSTEM_PACKAGES := bubblewrap util-linux tmux podman runc mmdebstrap ca-certific
 # The base images the default test suite's tasks name; their stand-ins are built (mmdebstrap, ~1 min
 # each) into ~/.cache/t1jax/stand-ins and imported into podman. `make setup-containers` adds those
 # of the fidelity corpus (tests/data/fidelity_tasks).
-DEFAULT_STAND_INS := python:3.11-slim debian:bookworm python:3.12-slim-bookworm \
+DEFAULT_STAND_INS := python:3.11-slim python:3.11 debian:bookworm python:3.12-slim-bookworm \
 	ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624
 CORPUS_STAND_INS := golang:1.24-bookworm eclipse-temurin:21-jdk gcc:14
 
