@@ -52,14 +52,14 @@ test:
 
 # The demo (README "The demo"): base -> SFT -> critic warm-up -> RL on a generated suite, held-out
 # evaluation of all three, the Table-1-style result in DEMO_OUT/summary.md. Re-running continues
-# where it stopped. `make ablation`: binary vs test-count reward, two RL campaigns from the same SFT.
+# where it stopped. `make ablation`: the binary-reward RL campaign next to the demo's test-count one,
+# from the same SFT and warm-up (it reuses DEMO_OUT's stages).
 DEMO_OUT ?= runs/demo
-ABLATION_OUT ?= runs/ablation
 demo:
 	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(DEMO_OUT)
 
 ablation:
-	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(ABLATION_OUT) --ablation
+	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(DEMO_OUT) --ablation
 
 test-slow:
 	$(PY) -m pytest -m "slow" -q
