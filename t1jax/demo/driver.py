@@ -114,7 +114,9 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
 class Stage:
     """One step of the demo: a command, where it writes, how to tell it is complete."""
 
-    def __init__(self, name: str, command: list[str] | None, done: Path, *, action=None, workdir: Path | None = None):
+    def __init__(
+        self, name: str, command: list[str] | None, done: Path, *, action=None, workdir: Path | None = None
+    ):
         # `workdir`: what the stage writes; an incomplete one (a stage stopped midway) is removed
         # before the stage runs again, since the commands refuse a non-empty output directory.
         self.name, self.command, self.done, self.action = name, command, done, action
@@ -182,7 +184,8 @@ class Demo:
                             "--seed", str(c.tasks.seed), "--heldout-fraction", str(c.tasks.heldout_fraction)],
                   tasks / "manifest.json", workdir=tasks),
             self._base_stage(),
-            Stage("sft", [*cli, "sft", "--config", str(self.path(c.sft.config)), "--tasks", str(tasks / "train"),
+            Stage("sft", [*cli, "sft", "--config", str(self.path(c.sft.config)),
+                          "--tasks", str(tasks / "train"),
                           "--out", str(out / "sft"), "--init", str(self.base_checkpoint)],
                   out / "sft" / "checkpoint" / "config.json", workdir=out / "sft"),
         ]  # fmt: skip
@@ -238,7 +241,8 @@ class Demo:
         e = self.config.eval
         command = [sys.executable, "-m", "t1jax.cli", "eval", "--tasks", str(self.out / "tasks" / "heldout"),
                    "--checkpoint", str(checkpoint), "--out", str(job), "--concurrency", str(e.concurrency),
-                   "--max-turns", str(e.max_turns), "--no-progress", "--context-window", str(e.context_window),
+                   "--max-turns", str(e.max_turns), "--no-progress",
+                   "--context-window", str(e.context_window),
                    "--max-tokens-per-turn", str(e.max_tokens_per_turn), "--terminal", e.terminal,
                    "--prompt-profile", e.prompt_profile, "--seed", str(e.seed)]  # fmt: skip
         if mode == "greedy":
@@ -439,5 +443,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
         )
     lines.append("")
     lines.append("Time per stage (s): " + ", ".join(f"{k} {v}" for k, v in summary["stage_seconds"].items()))
-    lines.append(f"Stages total: {summary['total_stage_sec']} s; this invocation's wall time: {summary['wall_sec']} s")
+    lines.append(
+        f"Stages total: {summary['total_stage_sec']} s; this invocation's wall time: {summary['wall_sec']} s"
+    )
     return "\n".join(lines) + "\n"

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     harness.add_argument("--agent-timeout", type=float, default=None, help="seconds (default: each task's)")
     harness.add_argument("--terminal", choices=("tmux", "exec"), default="tmux")
     harness.add_argument(
-        "--prompt-profile", default="full", help="system prompt: full | compact (what the model was trained with)"
+        "--prompt-profile", default="full", help="system prompt: full | compact (the one the model learnt)"
     )
     model = parser.add_argument_group("model")
     model.add_argument(

@@ -150,7 +150,9 @@ def run_pretrain(
             weight_decay=config.weight_decay,
             max_grad_norm=config.max_grad_norm,
         ),
-        batching=BatchingConfig(row_length_buckets=(config.length,), rows_per_micro_batch=config.rows, pack=False),
+        batching=BatchingConfig(
+            row_length_buckets=(config.length,), rows_per_micro_batch=config.rows, pack=False
+        ),
     )
     learner = Learner(actor, critic, rl_config, take_ownership=True)
     del actor, critic
@@ -169,7 +171,10 @@ def run_pretrain(
             }
             log.write(json.dumps(line) + "\n")
             if (step + 1) % 25 == 0 or step + 1 == config.steps:
-                say(f"pretrain step {step + 1}/{config.steps} loss {line['loss']:.4f} ({line['elapsed_sec']:.0f} s)")
+                say(
+                    f"pretrain step {step + 1}/{config.steps} loss {line['loss']:.4f} "
+                    f"({line['elapsed_sec']:.0f} s)"
+                )
     save_pretrained(learner.actor_model(), out_dir / "checkpoint")
     summary = {
         "steps": config.steps,

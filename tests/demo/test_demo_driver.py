@@ -50,7 +50,8 @@ def _tiny_demo(tmp_path: Path) -> Path:
 
 def _demo(config: Path, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "t1jax.cli", "demo", "--config", str(config), "--out", str(out), "--no-progress"],
+        [sys.executable, "-m", "t1jax.cli", "demo", "--config", str(config), "--out", str(out),
+         "--no-progress"],
         capture_output=True, text=True, cwd=REPO, check=False, timeout=900,
     )  # fmt: skip
 
@@ -69,7 +70,16 @@ def test_demo_runs_every_stage_and_resumes(tmp_path):
     for verdict in summary["verdicts"].values():
         low, high = verdict["ci95"]
         assert low <= verdict["difference"] <= high and verdict["beyond_noise"] == (low > 0)
-    stages = ["tasks", "base", "sft", "warmup", "rl", "eval base sampled", "eval sft sampled", "eval rl sampled"]
+    stages = [
+        "tasks",
+        "base",
+        "sft",
+        "warmup",
+        "rl",
+        "eval base sampled",
+        "eval sft sampled",
+        "eval rl sampled",
+    ]
     assert list(summary["stage_seconds"]) == stages and all(s > 0 for s in summary["stage_seconds"].values())
     assert summary["stages_skipped"] == []
     assert (out / "pretrain" / "checkpoint" / "config.json").is_file()
