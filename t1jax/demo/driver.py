@@ -6,14 +6,16 @@ run it (`t1jax tasks generate`, `t1jax sft`, `t1jax train`, `t1jax eval`), so th
 real sandboxes, the JAX engine, the learner, the controller and the evaluator, and nothing else:
 
     OUT/tasks/{train,heldout}     the suite (train and held-out splits disjoint by template family)
-    OUT/base/                     the base checkpoint (HF directory)
+    OUT/pretrain/checkpoint       the base: random init + copy-corpus pretraining (or OUT/base/: the
+                                  random init alone, base.pretrain_steps: 0)
     OUT/sft/                      demonstrations in real sandboxes -> masked cross-entropy (t1jax sft)
     OUT/warmup/                   critic warm-up: t1jax train with the actor held (§4.5)
-    OUT/rl/                       RL from the SFT actor and the warmed-up critic (t1jax train)
-    OUT/rl/eval/<ckpt>-<mode>/    t1jax eval on the held-out split, greedy and sampled
-    OUT/rl/plots/*.png            training curves and evaluation bars (t1jax.report.curves)
-    OUT/summary.{json,md}         the table, the verdict, the time split per stage
-    OUT/logs/<stage>.log          each stage's own output
+    OUT/rl/                       RL from the SFT actor and the warmed-up critic (t1jax train);
+                                  with --ablation also OUT/rl-binary/ (only the reward differs)
+    OUT/eval/<ckpt>-<mode>/       t1jax eval on the held-out split, greedy and sampled
+    OUT/<campaign>/plots/*.png    training curves and evaluation bars (t1jax.report.curves)
+    OUT/summary.{json,md}         the table, the verdicts, the SFT reward-variance share, seconds
+    OUT/logs/<stage>.log          each stage's own output (logs/seconds.json: time per stage)
 
 A stage whose output is complete is not run again (re-running `make demo` continues where a
 failure stopped it). The verdict: RL beats SFT and SFT beats base on the held-out resolved rate
