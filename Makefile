@@ -21,12 +21,12 @@ SYSTEM_PACKAGES := bubblewrap util-linux tmux podman runc mmdebstrap ca-certific
 # The base images the default test suite's tasks name; their stand-ins are built (mmdebstrap, ~1 min
 # each) into ~/.cache/t1jax/stand-ins and imported into podman. `make setup-containers` adds those
 # of the fidelity corpus (tests/data/fidelity_tasks).
-DEFAULT_STAND_INS := python:3.11-slim debian:bookworm python:3.12-slim-bookworm \
+DEFAULT_STAND_INS := python:3.11-slim python:3.11 debian:bookworm python:3.12-slim-bookworm \
 	ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624
 CORPUS_STAND_INS := golang:1.24-bookworm eclipse-temurin:21-jdk gcc:14
 
 .PHONY: setup setup-system setup-containers test test-slow test-containers bench lint setup-tpu \
-	test-tpu-contract
+	test-tpu-contract demo ablation
 
 setup: setup-system
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,17 @@ setup-containers:
 
 test:
 	$(PY) -m pytest -m "not slow" -n $(PYTEST_WORKERS) -q
+
+# The demo (README "The demo"): base -> SFT -> critic warm-up -> RL on a generated suite, held-out
+# evaluation of all three, the Table-1-style result in DEMO_OUT/summary.md. Re-running continues
+# where it stopped. `make ablation`: the binary-reward RL campaign next to the demo's test-count one,
+# from the same SFT and warm-up (it reuses DEMO_OUT's stages).
+DEMO_OUT ?= runs/demo
+demo:
+	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(DEMO_OUT)
+
+ablation:
+	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(DEMO_OUT) --ablation
 
 test-slow:
 	$(PY) -m pytest -m "slow" -q

@@ -35,6 +35,7 @@ import dataclasses
 import hashlib
 import json
 import random
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,9 @@ CATEGORY_WEIGHTS: Mapping[str, float] = {
 FAMILY_LENGTH_WEIGHTS = {1: 0.25, 2: 0.45, 3: 0.30}
 CROSS_CATEGORY_PROBABILITY = 0.3
 BASE_IMAGE = "python:3.11-slim"
+# A task that runs git (a repository built in its Dockerfile, or git in its solution or tests)
+# needs the non-slim image, which has git as the official python:3.11 does (slim has none).
+GIT_BASE_IMAGE = "python:3.11"
 AGENT_TIMEOUT_SEC = 300.0
 VERIFIER_TIMEOUT_SEC = 60.0
 
@@ -278,10 +282,17 @@ def test_file_text(steps: Sequence[Step]) -> str:
 
 def dockerfile_text(steps: Sequence[Step]) -> str:
     tops = sorted({_top(f.path) for step in steps for f in step.files})
-    lines = [f"FROM {BASE_IMAGE}", "WORKDIR /app"]
+    lines = [f"FROM {base_image(steps)}", "WORKDIR /app"]
     lines += [f"COPY {top}/ /{top}/" for top in tops]
     lines += [f"RUN {command}" for step in steps for command in step.build]
     return "\n".join(lines) + "\n"
+
+
+def base_image(steps: Sequence[Step]) -> str:
+    commands = [c for step in steps for c in (*step.build, *step.inspect, *step.actions)]
+    commands += [check.body for step in steps for check in step.checks]
+    uses_git = any(re.search(r"\bgit\b", command) for command in commands)
+    return GIT_BASE_IMAGE if uses_git else BASE_IMAGE
 
 
 def _top(container_path: str) -> str:

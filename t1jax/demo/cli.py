@@ -17,6 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("runs") / "demo", help="demo directory (re-run to continue)"
     )
+    parser.add_argument(
+        "--ablation", action="store_true",
+        help="also run the binary-reward RL campaign (rl-binary) from the same SFT and warm-up",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -28,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from t1jax.demo.driver import Demo, load_demo_config, render_markdown
 
     config, base_dir = load_demo_config(args.config)
-    demo = Demo(config, base_dir, args.out)
+    demo = Demo(config, base_dir, args.out, ablation=args.ablation)
     console = Console(stderr=True)
     started = time.monotonic()
 
@@ -61,5 +65,7 @@ def run(args: argparse.Namespace) -> int:
         with Live(console=console, refresh_per_second=1) as live:
             summary = demo.run(lambda stages, current: live.update(table(stages, current)))
     Console().print(render_markdown(summary))
+    if args.ablation:  # the ablation reports whichever way it comes out
+        return 0
     verdicts = summary["verdicts"]
     return 0 if verdicts and all(v["beyond_noise"] for v in verdicts.values()) else 1

@@ -6,14 +6,16 @@ run it (`t1jax tasks generate`, `t1jax sft`, `t1jax train`, `t1jax eval`), so th
 real sandboxes, the JAX engine, the learner, the controller and the evaluator, and nothing else:
 
     OUT/tasks/{train,heldout}     the suite (train and held-out splits disjoint by template family)
-    OUT/base/                     the base checkpoint (HF directory)
+    OUT/pretrain/checkpoint       the base: random init + copy-corpus pretraining (or OUT/base/: the
+                                  random init alone, base.pretrain_steps: 0)
     OUT/sft/                      demonstrations in real sandboxes -> masked cross-entropy (t1jax sft)
     OUT/warmup/                   critic warm-up: t1jax train with the actor held (§4.5)
-    OUT/rl/                       RL from the SFT actor and the warmed-up critic (t1jax train)
-    OUT/rl/eval/<ckpt>-<mode>/    t1jax eval on the held-out split, greedy and sampled
-    OUT/rl/plots/*.png            training curves and evaluation bars (t1jax.report.curves)
-    OUT/summary.{json,md}         the table, the verdict, the time split per stage
-    OUT/logs/<stage>.log          each stage's own output
+    OUT/rl/                       RL from the SFT actor and the warmed-up critic (t1jax train);
+                                  with --ablation also OUT/rl-binary/ (only the reward differs)
+    OUT/eval/<ckpt>-<mode>/       t1jax eval on the held-out split, greedy and sampled
+    OUT/<campaign>/plots/*.png    training curves and evaluation bars (t1jax.report.curves)
+    OUT/summary.{json,md}         the table, the verdicts, the SFT reward-variance share, seconds
+    OUT/logs/<stage>.log          each stage's own output (logs/seconds.json: time per stage)
 
 A stage whose output is complete is not run again (re-running `make demo` continues where a
 failure stopped it). The verdict: RL beats SFT and SFT beats base on the held-out resolved rate
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -47,11 +50,15 @@ class TasksStage:
 
 @dataclass(frozen=True)
 class BaseStage:
-    """The base model: a fresh random init of `preset` (what the demo starts from), written as an
-    HF checkpoint."""
+    """The base model: a fresh random init of `preset`, then (`pretrain_steps` > 0) a short
+    pretraining on a copy-rich plain-text corpus (`t1jax.sft.pretrain`: no chat format, no task,
+    no command), written as an HF checkpoint."""
 
     preset: str = "model.yaml"
     seed: int = 0
+    pretrain_steps: int = 0
+    pretrain_rows: int = 16
+    pretrain_length: int = 128
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,11 @@ class EvalStage:
     top_p: float = 1.0
     top_k: int = 0
     max_turns: int = 8
+    max_tokens_per_turn: int = 96
+    context_window: int = 1024
+    terminal: str = "exec"  # as the SFT demonstrations and the RL harness
+    prompt_profile: str = "compact"
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,15 +116,52 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
 class Stage:
     """One step of the demo: a command, where it writes, how to tell it is complete."""
 
-    def __init__(self, name: str, command: list[str] | None, done: Path, *, action=None):
+    def __init__(
+        self, name: str, command: list[str] | None, done: Path, *, action=None, workdir: Path | None = None
+    ):
+        # `workdir`: what the stage writes; an incomplete one (a stage stopped midway) is removed
+        # before the stage runs again, since the commands refuse a non-empty output directory.
         self.name, self.command, self.done, self.action = name, command, done, action
+        self.workdir = workdir
         self.seconds = 0.0
         self.skipped = False
 
+    def complete(self) -> bool:
+        """The stage's output is all there: its marker file exists, and a training run's status
+        says it finished (a run that failed or was interrupted has a status too)."""
+        if not self.done.is_file():
+            return False
+        if self.done.name == "status.json":
+            try:
+                return json.loads(self.done.read_text()).get("state") == "finished"
+            except (OSError, ValueError):
+                return False
+        return True
+
+    def clear(self) -> None:
+        """Remove what an incomplete earlier attempt left; the RL run directory keeps `eval/`
+        (the base and SFT evaluations live there too) but loses the RL checkpoint's."""
+        if self.workdir is None or not self.workdir.exists():
+            return
+        for entry in self.workdir.iterdir():
+            if entry.name == "eval":
+                for job in entry.glob("rl-*"):
+                    shutil.rmtree(job)
+            elif entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
 
 class Demo:
-    def __init__(self, config: DemoConfig, base_dir: Path, out: Path, *, quiet: bool = False):
+    def __init__(self, config: DemoConfig, base_dir: Path, out: Path, *, quiet: bool = False,
+                 ablation: bool = False):  # fmt: skip
         self.config, self.base_dir, self.out, self.quiet = config, base_dir, Path(out), quiet
+        # RL campaigns by run-directory name -> `--set` overrides on top of the rl stage's; the
+        # ablation adds the binary-reward campaign, identical to `rl` but for the reward.
+        self.campaigns: dict[str, dict[str, Any]] = {"rl": {}}
+        if ablation:
+            self.campaigns["rl-binary"] = {"rl.reward.kind": "binary"}
         self.logs = self.out / "logs"
         self.env = {
             **os.environ,
@@ -133,63 +182,60 @@ class Demo:
         cli = [sys.executable, "-m", "t1jax.cli"]
         tasks = out / "tasks"
         stages = [
-            Stage(
-                "tasks",
-                [
-                    *cli,
-                    "tasks",
-                    "generate",
-                    "--out",
-                    str(tasks),
-                    "--n",
-                    str(c.tasks.n),
-                    "--seed",
-                    str(c.tasks.seed),
-                    "--heldout-fraction",
-                    str(c.tasks.heldout_fraction),
-                ],
-                tasks / "manifest.json",
-            ),  # fmt: skip
-            Stage("base", None, out / "base" / "config.json", action=self._write_base),
-            Stage(
-                "sft",
-                [
-                    *cli,
-                    "sft",
-                    "--config",
-                    str(self.path(c.sft.config)),
-                    "--tasks",
-                    str(tasks / "train"),
-                    "--out",
-                    str(out / "sft"),
-                    "--init",
-                    str(out / "base"),
-                ],
-                out / "sft" / "checkpoint" / "config.json",
-            ),  # fmt: skip
-        ]
-        warmup = self._train_command("warmup", c.warmup, actor=out / "sft" / "checkpoint", critic=None)
-        stages.append(Stage("warmup", warmup, out / "warmup" / "status.json"))
-        rl = self._train_command("rl", c.rl, actor=out / "sft" / "checkpoint", critic=out / "warmup")
-        stages.append(Stage("rl", rl, out / "rl" / "status.json"))
-        checkpoints = {"base": out / "base", "sft": out / "sft" / "checkpoint", "rl": out / "rl"}
-        for name, checkpoint in checkpoints.items():
-            for mode in ("greedy", "sampled") if c.eval.greedy else ("sampled",):
-                job = out / "rl" / "eval" / f"{name}-{mode}"
-                stages.append(
-                    Stage(
-                        f"eval {name} {mode}", self._eval_command(checkpoint, job, mode), job / "result.json"
-                    )
-                )
+            Stage("tasks", [*cli, "tasks", "generate", "--out", str(tasks), "--n", str(c.tasks.n),
+                            "--seed", str(c.tasks.seed), "--heldout-fraction", str(c.tasks.heldout_fraction)],
+                  tasks / "manifest.json", workdir=tasks),
+            self._base_stage(),
+            Stage("sft", [*cli, "sft", "--config", str(self.path(c.sft.config)),
+                          "--tasks", str(tasks / "train"),
+                          "--out", str(out / "sft"), "--init", str(self.base_checkpoint)],
+                  out / "sft" / "checkpoint" / "config.json", workdir=out / "sft"),
+        ]  # fmt: skip
+        sft = out / "sft" / "checkpoint"
+        warmup = self._train_command("warmup", c.warmup, {}, actor=sft, critic=None)
+        stages.append(Stage("warmup", warmup, out / "warmup" / "status.json", workdir=out / "warmup"))
+        for name, overrides in self.campaigns.items():
+            command = self._train_command(name, c.rl, overrides, actor=sft, critic=out / "warmup")
+            stages.append(Stage(name, command, out / name / "status.json", workdir=out / name))
+        for name, checkpoint in self.checkpoints.items():
+            for mode in self.modes:
+                job = self.eval_dir / f"{name}-{mode}"
+                command = self._eval_command(checkpoint, job, mode)
+                stages.append(Stage(f"eval {name} {mode}", command, job / "result.json", workdir=job))
         return stages
 
-    def _train_command(self, name: str, stage: TrainStage, *, actor: Path, critic: Path | None) -> list[str]:
+    @property
+    def eval_dir(self) -> Path:
+        return self.out / "eval"
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return ("greedy", "sampled") if self.config.eval.greedy else ("sampled",)
+
+    @property
+    def checkpoints(self) -> dict[str, Path]:
+        """Every checkpoint the demo evaluates, by name: base, sft, then each RL campaign."""
+        out = self.out
+        return {"base": self.base_checkpoint, "sft": out / "sft" / "checkpoint",
+                **{name: out / name for name in self.campaigns}}  # fmt: skip
+
+    def comparisons(self) -> list[tuple[str, str]]:
+        """(better, worse) pairs the verdict is about: each RL campaign over SFT, SFT over base;
+        with several campaigns (the ablation) also the first campaign over each other one."""
+        names = list(self.campaigns)
+        pairs = [(name, "sft") for name in names] + [("sft", "base")]
+        pairs += [(names[0], other) for other in names[1:]]
+        return pairs
+
+    def _train_command(
+        self, name: str, stage: TrainStage, overrides: dict[str, Any], *, actor: Path, critic: Path | None
+    ) -> list[str]:
         command = [sys.executable, "-m", "t1jax.cli", "train", "--config", str(self.path(stage.config)),
                    "--run-dir", str(self.out / name), "--set", f"model.actor_checkpoint={actor}",
                    "--set", f"tasks.directory={self.out / 'tasks' / 'train'}"]  # fmt: skip
         if critic is not None:
             command += ["--set", f"model.critic_checkpoint={critic}"]
-        for key, value in stage.overrides.items():
+        for key, value in {**stage.overrides, **overrides}.items():
             command += ["--set", f"{key}={json.dumps(value)}"]
         return command
 
@@ -197,11 +243,31 @@ class Demo:
         e = self.config.eval
         command = [sys.executable, "-m", "t1jax.cli", "eval", "--tasks", str(self.out / "tasks" / "heldout"),
                    "--checkpoint", str(checkpoint), "--out", str(job), "--concurrency", str(e.concurrency),
-                   "--max-turns", str(e.max_turns), "--no-progress", "--context-window", "4096"]  # fmt: skip
+                   "--max-turns", str(e.max_turns), "--no-progress",
+                   "--context-window", str(e.context_window),
+                   "--max-tokens-per-turn", str(e.max_tokens_per_turn), "--terminal", e.terminal,
+                   "--prompt-profile", e.prompt_profile, "--seed", str(e.seed)]  # fmt: skip
         if mode == "greedy":
             return [*command, "--greedy", "--attempts", "1"]
         return [*command, "--attempts", str(e.sampled_attempts), "--temperature", str(e.temperature),
                 "--top-p", str(e.top_p), "--top-k", str(e.top_k)]  # fmt: skip
+
+    @property
+    def base_checkpoint(self) -> Path:
+        if self.config.base.pretrain_steps > 0:
+            return self.out / "pretrain" / "checkpoint"
+        return self.out / "base"
+
+    def _base_stage(self) -> Stage:
+        base = self.config.base
+        if base.pretrain_steps <= 0:
+            return Stage("base", None, self.base_checkpoint / "config.json", action=self._write_base,
+                         workdir=self.out / "base")  # fmt: skip
+        command = [sys.executable, "-m", "t1jax.sft.pretrain", "--model", str(self.path(base.preset)),
+                   "--out", str(self.out / "pretrain"), "--seed", str(base.seed),
+                   "--steps", str(base.pretrain_steps), "--rows", str(base.pretrain_rows),
+                   "--length", str(base.pretrain_length)]  # fmt: skip
+        return Stage("base", command, self.base_checkpoint / "config.json", workdir=self.out / "pretrain")
 
     def _write_base(self) -> None:
         from flax import nnx
@@ -219,12 +285,13 @@ class Demo:
         stages = self.stages()
         started = time.monotonic()
         for stage in stages:
-            if stage.done.exists():
+            if stage.complete():
                 stage.skipped = True
                 continue
             if display is not None:
                 display(stages, stage)
             began = time.monotonic()
+            stage.clear()
             if stage.action is not None:
                 stage.action()
             else:
@@ -243,7 +310,7 @@ class Demo:
             process = subprocess.run(
                 stage.command, stdout=out, stderr=subprocess.STDOUT, env=self.env, check=False
             )
-        if process.returncode != 0 or not stage.done.exists():
+        if process.returncode != 0 or not stage.complete():
             tail = log.read_text().strip().splitlines()[-5:]
             raise RuntimeError(
                 f"demo stage {stage.name!r} failed (exit {process.returncode}); {log}: " + " | ".join(tail)
@@ -254,48 +321,104 @@ class Demo:
     def summarize(self, stages: list[Stage], wall_sec: float) -> dict[str, Any]:
         from t1jax.eval.job import per_task
         from t1jax.eval.passk import paired_difference
-        from t1jax.report.curves import save_figures
 
-        evals = self.out / "rl" / "eval"
         table = {}
-        for job in sorted(evals.glob("*/result.json")):
-            result = json.loads(job.read_text())
-            table[job.parent.name] = {
-                "resolved_rate": result["resolved_rate"],
-                "ci95": result.get("resolved_rate_ci95"),
-                "pass_at_k": result["pass_at_k"],
-                "mean_test_fraction": result["mean_test_fraction"],
-                "n_trials": result["n_total_trials"],
-                "n_errors": result["n_errors"],
-            }
+        for name in self.checkpoints:
+            for mode in self.modes:
+                result_file = self.eval_dir / f"{name}-{mode}" / "result.json"
+                if not result_file.is_file():
+                    continue
+                result = json.loads(result_file.read_text())
+                table[f"{name}-{mode}"] = {
+                    "resolved_rate": result["resolved_rate"],
+                    "ci95": result.get("resolved_rate_ci95"),
+                    "pass_at_k": result["pass_at_k"],
+                    "mean_test_fraction": result["mean_test_fraction"],
+                    "n_trials": result["n_total_trials"],
+                    "n_errors": result["n_errors"],
+                }
         verdicts = {}
-        for mode in ("greedy", "sampled"):
-            jobs = {name: evals / f"{name}-{mode}" for name in ("base", "sft", "rl")}
-            if not all((job / "result.json").exists() for job in jobs.values()):
-                continue
-            outcomes = {name: per_task(job) for name, job in jobs.items()}
-            for better, worse in (("rl", "sft"), ("sft", "base")):
-                diff = paired_difference(outcomes[better], outcomes[worse])
+        for mode in self.modes:
+            for better, worse in self.comparisons():
+                jobs = [self.eval_dir / f"{name}-{mode}" for name in (better, worse)]
+                if not all((job / "result.json").is_file() for job in jobs):
+                    continue
+                diff = paired_difference(per_task(jobs[0]), per_task(jobs[1]))
                 if diff is not None:
                     verdicts[f"{better}>{worse} ({mode})"] = {
                         "difference": diff[0], "ci95": [diff[1], diff[2]], "beyond_noise": diff[1] > 0,
                     }  # fmt: skip
-        plots = (
-            [str(p) for p in save_figures(self.out / "rl")]
-            if (self.out / "rl" / "metrics.jsonl").exists()
-            else []
-        )
+        plots = []
+        for name in self.campaigns:
+            if (self.out / name / "metrics.jsonl").exists():
+                plots += [str(p) for p in self._plots(name)]
+        seconds = self._stage_seconds(stages)
         summary = {
             "table": table,
             "verdicts": verdicts,
-            "stage_seconds": {s.name: round(s.seconds, 1) for s in stages if not s.skipped},
+            "sft_reward_variance": self._reward_variance(),
+            "stage_seconds": seconds,
             "stages_skipped": [s.name for s in stages if s.skipped],
+            "total_stage_sec": round(sum(seconds.values()), 1),
             "wall_sec": round(wall_sec, 1),
             "plots": plots,
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         (self.out / "summary.md").write_text(render_markdown(summary))
         return summary
+
+    def _stage_seconds(self, stages: list[Stage]) -> dict[str, float]:
+        """Seconds per stage, across re-runs: a stage run now records its time in
+        logs/seconds.json, a stage done earlier keeps the time recorded then."""
+        path = self.logs / "seconds.json"
+        recorded = json.loads(path.read_text()) if path.is_file() else {}
+        for stage in stages:
+            if not stage.skipped and stage.seconds:
+                recorded[stage.name] = round(stage.seconds, 1)
+        path.write_text(json.dumps(recorded, indent=1) + "\n")
+        return {s.name: recorded[s.name] for s in stages if s.name in recorded}
+
+    def _reward_variance(self) -> dict[str, Any] | None:
+        """What the SFT policy leaves RL to learn from, measured on its sampled held-out
+        evaluation (several attempts per task at the training temperature): the share of tasks
+        whose attempts' test-count rewards differ, and whose resolved outcomes differ. A task all
+        of whose attempts score the same gives no signal to prefer one behaviour over another."""
+        from t1jax.eval.job import per_task
+
+        job = self.eval_dir / "sft-sampled"
+        if not (job / "result.json").is_file():
+            return None
+        rewards, resolved = per_task(job, "test_count_reward"), per_task(job, "resolved")
+        grouped = [t for t, values in rewards.items() if len(values) > 1]
+        if not grouped:
+            return None
+        return {
+            "tasks": len(grouped),
+            "attempts_per_task": max(len(rewards[t]) for t in grouped),
+            "reward_varies": round(sum(len(set(rewards[t])) > 1 for t in grouped) / len(grouped), 3),
+            "resolved_varies": round(sum(len(set(resolved[t])) > 1 for t in grouped) / len(grouped), 3),
+        }
+
+    def _plots(self, name: str) -> list[Path]:
+        """The campaign's training curves and the evaluation bars of every checkpoint."""
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        from t1jax.report.curves import figures, load_run
+
+        run = load_run(self.out / name)
+        for result in sorted(self.eval_dir.glob("*/result.json")):
+            run.evals[result.parent.name] = json.loads(result.read_text())
+        written = []
+        (self.out / name / "plots").mkdir(parents=True, exist_ok=True)
+        for figure_name, figure in figures(run).items():
+            path = self.out / name / "plots" / f"{figure_name}.png"
+            figure.savefig(path, dpi=100)
+            plt.close(figure)
+            written.append(path)
+        return written
 
 
 def render_markdown(summary: dict[str, Any]) -> str:
@@ -313,7 +436,16 @@ def render_markdown(summary: dict[str, Any]) -> str:
         low, high = verdict["ci95"]
         mark = "beyond the noise" if verdict["beyond_noise"] else "NOT beyond the noise"
         lines.append(f"- {name}: {verdict['difference']:+.3f} [{low:+.3f}, {high:+.3f}] — {mark}")
+    variance = summary.get("sft_reward_variance")
+    if variance:
+        lines.append(
+            f"- SFT policy, sampled held-out ({variance['tasks']} tasks x {variance['attempts_per_task']} "
+            f"attempts): reward varies within {variance['reward_varies']:.0%} of tasks, resolved within "
+            f"{variance['resolved_varies']:.0%}"
+        )
     lines.append("")
     lines.append("Time per stage (s): " + ", ".join(f"{k} {v}" for k, v in summary["stage_seconds"].items()))
-    lines.append(f"Wall time: {summary['wall_sec']} s")
+    lines.append(
+        f"Stages total: {summary['total_stage_sec']} s; this invocation's wall time: {summary['wall_sec']} s"
+    )
     return "\n".join(lines) + "\n"

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     harness.add_argument("--max-tokens-per-turn", type=int, default=8192)
     harness.add_argument("--agent-timeout", type=float, default=None, help="seconds (default: each task's)")
     harness.add_argument("--terminal", choices=("tmux", "exec"), default="tmux")
+    harness.add_argument(
+        "--prompt-profile", default="full", help="system prompt: full | compact (the one the model learnt)"
+    )
     model = parser.add_argument_group("model")
     model.add_argument(
         "--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)"
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens_per_turn=args.max_tokens_per_turn,
         agent_timeout_sec=args.agent_timeout,
         terminal=args.terminal,
+        prompt_profile=args.prompt_profile,
     )
     return evaluate(settings, args)
 
@@ -168,6 +172,7 @@ class Agent:
             compaction=self.context_window >= 8192,
             agent_timeout_sec=settings.agent_timeout_sec,
             terminal=settings.terminal,
+            prompt_profile=settings.prompt_profile,
             require_routing=not self.scripted,
         )
 

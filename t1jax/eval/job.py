@@ -73,6 +73,7 @@ class EvalSettings:
     max_tokens_per_turn: int = 8192
     agent_timeout_sec: float | None = None  # None: each task's own
     terminal: str = "tmux"
+    prompt_profile: str = "full"  # the harness's system prompt (t1jax.agent.prompts.PROMPT_PROFILES)
     reward_scale: float = 20.0  # S of Eq. 20, for the reported test-count reward
 
     def __post_init__(self) -> None:

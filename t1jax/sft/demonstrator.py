@@ -120,7 +120,9 @@ class Demonstrator:
         trial_id = call.request_id.rsplit("/", 1)[0]
         with self._lock:
             script = self._scripts[trial_id]
-        if CONFIRM_COMPLETION in call.last_user_text:
-            return CONFIRM_REPLY
         done = previous_replies(call)
+        # Asked to confirm; or completion was declared already and the confirmation request did
+        # not fit the observation (a long trial near the end of its context window).
+        if CONFIRM_COMPLETION in call.last_user_text or done > len(script.replies):
+            return CONFIRM_REPLY
         return script.replies[done] if done < len(script.replies) else DONE_REPLY

@@ -150,7 +150,9 @@ def run_pretrain(
             weight_decay=config.weight_decay,
             max_grad_norm=config.max_grad_norm,
         ),
-        batching=BatchingConfig(row_length_buckets=(config.length,), rows_per_micro_batch=config.rows, pack=False),
+        batching=BatchingConfig(
+            row_length_buckets=(config.length,), rows_per_micro_batch=config.rows, pack=False
+        ),
     )
     learner = Learner(actor, critic, rl_config, take_ownership=True)
     del actor, critic
@@ -169,7 +171,10 @@ def run_pretrain(
             }
             log.write(json.dumps(line) + "\n")
             if (step + 1) % 25 == 0 or step + 1 == config.steps:
-                say(f"pretrain step {step + 1}/{config.steps} loss {line['loss']:.4f} ({line['elapsed_sec']:.0f} s)")
+                say(
+                    f"pretrain step {step + 1}/{config.steps} loss {line['loss']:.4f} "
+                    f"({line['elapsed_sec']:.0f} s)"
+                )
     save_pretrained(learner.actor_model(), out_dir / "checkpoint")
     summary = {
         "steps": config.steps,
@@ -180,3 +185,33 @@ def run_pretrain(
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m t1jax.sft.pretrain --model PRESET --out DIR [--steps N ...]` (the demo's base
+    stage runs it as a subprocess, as every other stage)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m t1jax.sft.pretrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="model preset (YAML) or config.json")
+    parser.add_argument("--out", required=True, type=Path, help="new run directory")
+    defaults = PretrainConfig()
+    for name in ("seed", "steps", "rows", "length"):
+        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    args = parser.parse_args(argv)
+    try:
+        if not Path(args.model).is_file():
+            raise FileNotFoundError(f"--model {args.model} does not exist")
+        config = PretrainConfig(model=args.model, seed=args.seed, steps=args.steps, rows=args.rows,
+                                length=args.length, learning_rate=args.learning_rate)  # fmt: skip
+        summary = run_pretrain(config, args.out)
+    except (ValueError, FileExistsError, FileNotFoundError) as error:
+        print(f"pretrain: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

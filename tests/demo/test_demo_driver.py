@@ -1,0 +1,134 @@
+"""`t1jax demo` end to end on a minuscule config, so the driver cannot rot (the real run is
+`make demo`, not in the default suite).
+
+- Every stage runs as the project's own command (tasks generate, the copy-corpus pretraining,
+  t1jax sft, t1jax train twice: warm-up with the actor held, then RL, t1jax eval of base / SFT /
+  RL) in real sandboxes, and summary.json has the table, the verdicts and the time split.
+- A second invocation finds every stage complete and runs none of them; a training run whose
+  status says it failed is not complete (it is cleared and run again).
+- A bad demo config is one line, exit 2.
+
+The end-to-end test runs eight subprocesses that each import JAX and compile their programs (the
+learner's twice): 779 s on the shared 2-core machine at load average ~12, so it is marked slow
+(`make test-slow`); the other two are in the default suite.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_CONFIGS = REPO / "configs" / "demo"
+# The demo's own configs, shrunk: 2 turns of up to 16 tokens, one RL step of 2 trials.
+TRAIN_OVERRIDES = {
+    "run.steps": 1, "schedule.batch_size": 2, "schedule.launch_size": 2, "harness.max_turns": 2,
+    "harness.max_tokens_per_turn": 16, "harness.min_turn_tokens": 16,
+}  # fmt: skip
+
+
+def _tiny_demo(tmp_path: Path) -> Path:
+    sft = yaml.safe_load((DEMO_CONFIGS / "sft.yaml").read_text())
+    sft["model"] = str(DEMO_CONFIGS / "model.yaml")
+    sft["training"].update(epochs=1, batch_samples=4)
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(sft))
+    demo = {
+        "tasks": {"n": 4, "seed": 0, "heldout_fraction": 0.25},
+        "base": {"preset": str(DEMO_CONFIGS / "model.yaml"), "pretrain_steps": 2, "pretrain_rows": 2,
+                 "pretrain_length": 32},
+        "sft": {"config": "sft.yaml"},
+        "warmup": {"config": str(DEMO_CONFIGS / "warmup.yaml"), "overrides": TRAIN_OVERRIDES},
+        "rl": {"config": str(DEMO_CONFIGS / "rl.yaml"), "overrides": TRAIN_OVERRIDES},
+        "eval": {"concurrency": 2, "greedy": False, "sampled_attempts": 1, "max_turns": 2,
+                 "max_tokens_per_turn": 16},
+    }  # fmt: skip
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(demo))
+    return path
+
+
+def _demo(config: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "t1jax.cli", "demo", "--config", str(config), "--out", str(out),
+         "--no-progress"],
+        capture_output=True, text=True, cwd=REPO, check=False, timeout=1800,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_demo_runs_every_stage_and_resumes(tmp_path):
+    config, out = _tiny_demo(tmp_path), tmp_path / "out"
+    first = _demo(config, out)
+    # exit 1 (the verdict is not met by a minuscule run) or 0, never a crash (2 or a traceback)
+    assert first.returncode in (0, 1), first.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    names = {f"{c}-sampled" for c in ("base", "sft", "rl")}
+    assert set(summary["table"]) == names
+    for row in summary["table"].values():
+        assert row["n_trials"] == 1 and 0.0 <= row["resolved_rate"] <= 1.0
+    assert set(summary["verdicts"]) == {"rl>sft (sampled)", "sft>base (sampled)"}
+    for verdict in summary["verdicts"].values():
+        low, high = verdict["ci95"]
+        assert low <= verdict["difference"] <= high and verdict["beyond_noise"] == (low > 0)
+    stages = [
+        "tasks",
+        "base",
+        "sft",
+        "warmup",
+        "rl",
+        "eval base sampled",
+        "eval sft sampled",
+        "eval rl sampled",
+    ]
+    assert list(summary["stage_seconds"]) == stages and all(s > 0 for s in summary["stage_seconds"].values())
+    assert summary["stages_skipped"] == []
+    assert (out / "pretrain" / "checkpoint" / "config.json").is_file()
+    warmup = yaml.safe_load((out / "warmup" / "config.yaml").read_text())
+    rl = yaml.safe_load((out / "rl" / "config.yaml").read_text())
+    assert warmup["schedule"]["train_actor"] is False and rl["schedule"]["train_actor"] is True
+    assert rl["model"]["critic_checkpoint"] == str(out / "warmup")
+    assert rl["model"]["actor_checkpoint"] == str(out / "sft" / "checkpoint")
+    assert rl["harness"]["prompt_profile"] == "compact"  # the prompt SFT trained on
+    assert (out / "summary.md").read_text().startswith("| checkpoint |")
+    assert summary["plots"] and all(Path(p).is_file() for p in summary["plots"])
+
+    again = _demo(config, out)
+    assert again.returncode == first.returncode, again.stderr[-3000:]
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["stages_skipped"] == stages
+    assert resumed["stage_seconds"] == summary["stage_seconds"]  # the times recorded when they ran
+    assert resumed["table"] == summary["table"]
+
+
+def test_a_failed_training_run_is_not_complete(tmp_path):
+    from t1jax.demo.driver import Stage
+
+    run = tmp_path / "rl"
+    (run / "eval" / "rl-sampled").mkdir(parents=True)
+    (run / "eval" / "sft-sampled").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    stage = Stage("rl", ["true"], run / "status.json", workdir=run)
+    assert not stage.complete()
+    (run / "status.json").write_text(json.dumps({"state": "failed", "error": "x"}))
+    assert not stage.complete()
+    stage.clear()
+    assert sorted(p.name for p in run.rglob("*")) == ["eval", "sft-sampled"]
+    (run / "status.json").write_text(json.dumps({"state": "finished"}))
+    assert stage.complete()
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("bogus: 1\n", "bogus: unknown section"), ("base: {pretrain_steps: x}\n", "base.pretrain_steps")],
+)
+def test_a_bad_demo_config_is_one_line(tmp_path, text, needle):
+    config = tmp_path / "demo.yaml"
+    config.write_text(text)
+    result = _demo(config, tmp_path / "out")
+    assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
