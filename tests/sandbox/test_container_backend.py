@@ -245,8 +245,18 @@ def test_a_failing_build_is_a_clear_error_and_leaves_no_build_container(containe
     task_dir = copy_task(HARBOR_BUILD, tmp_path / "failing-build")
     dockerfile = "FROM debian:bookworm\nRUN echo about to fail; exit 3\n"
     (task_dir / "environment" / "Dockerfile").write_text(dockerfile)
-    before = _podman("ps", "-a", "--external", "--format", "{{.ID}}").split()
+    def build_containers() -> set[str]:
+        # Build (buildah "working") containers only: sandboxes that other tests or processes run at
+        # the same time are not this build's business. Other builds' working containers are
+        # transient (--force-rm), so a leftover is one that is still there after they have gone.
+        listing = _podman("ps", "-a", "--external", "--format", "{{.ID}} {{.Names}}").splitlines()
+        return {line.split()[0] for line in listing if "working-container" in line}
+
+    before = build_containers()
     with pytest.raises(BackendError, match="building its Dockerfile failed.*exit"):
         container_backend.create(load_task(task_dir), run_id="container-failing-build")
-    assert _podman("ps", "-a", "--external", "--format", "{{.ID}}").split() == before
+    deadline = time.monotonic() + 60
+    while build_containers() - before and time.monotonic() < deadline:
+        time.sleep(1)
+    assert build_containers() - before == set()
     assert _containers_of_run("container-failing-build") == []
