@@ -3,11 +3,13 @@
 A model the size of the demo's (~0.5M parameters) trained from scratch on the demonstrations
 alone learns the reply format and which command a step needs, but is slow to learn to *copy* a
 name from the instruction or an observation into its command: copying needs an induction-style
-attention circuit, which forms abruptly and only after a few hundred steps of data that rewards
-it (measured: random slot-word sequences repeated once, T=128, 16 rows a step: 16 distinct
-words are copied after ~250 steps, 96 not after 450). This stage supplies that data cheaply,
-before any demonstration: short plain-text documents (no chat tokens, no task, no command)
-whose last line repeats what the lines before it named (only that line carries loss):
+attention circuit, which forms abruptly and only on data that rewards it and with an attention
+head wide enough to be sharp (measured, T=128, 16 rows a step, lr 3e-3: with head_dim 16 nothing
+is copied in 250 steps; with head_dim 64 two 10-30-word lists a document are copied at ~98% after
+~150 steps, the mix below alone still not after 250). This stage supplies that data cheaply,
+before any demonstration: first `long_list_steps` steps of long lists, then short plain-text
+documents (no chat tokens, no task, no command) whose last line repeats what the lines before it
+named (only that line carries loss):
 
 - `list: a b c` / `again: a b c` (random sequences of slot words, 2-8 long);
 - `file /app/a.txt` / `same /app/a.txt` (paths built from slot words and the suite's suffixes);
@@ -43,6 +45,11 @@ def _sequence(rng: random.Random) -> list[str]:
     return [f"list: {items}", f"again: {items}"]
 
 
+def _long_sequence(rng: random.Random) -> list[str]:
+    items = " ".join(rng.choice(SLOT_WORDS) for _ in range(rng.randint(10, 30)))
+    return [f"list: {items}", f"again: {items}"]
+
+
 def _path(rng: random.Random) -> list[str]:
     path = f"/app/{rng.choice(SLOT_WORDS)}{rng.choice(SUFFIXES)}"
     if rng.random() < 0.3:
@@ -63,15 +70,22 @@ def _number(rng: random.Random) -> list[str]:
 
 
 _KINDS = ((_sequence, 0.55), (_path, 0.2), (_lookup, 0.15), (_number, 0.1))
+# The first documents: long lists only. In the mix above a 128-token document holds ~15 short groups
+# over 16 recurring words, and no copy circuit forms within 250 steps (masked loss ~1.0, copied-word
+# accuracy at chance 1/16); two 10-30-word lists a document form it in ~150 steps, and the mix is
+# then learnt in ~50 more (measured: /work/notes/demo-research.md, issue 13).
+_LONG_LISTS = ((_long_sequence, 1.0),)
 
 
-def copy_document(rng: random.Random, tokenizer, length: int) -> tuple[np.ndarray, np.ndarray]:
+def copy_document(
+    rng: random.Random, tokenizer, length: int, kinds=_KINDS
+) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, loss mask) of one document, exactly `length` long. Only the last line of each
     group (the copy, which the lines before it determine) carries loss: the gradient goes to the
     copy circuit, not to guessing random words."""
     ids: list[int] = []
     mask: list[int] = []
-    makers, weights = zip(*_KINDS, strict=True)
+    makers, weights = zip(*kinds, strict=True)
     while len(ids) < length:
         lines = rng.choices(makers, weights=weights)[0](rng)
         context = tokenizer.encode_text("\n".join(lines[:-1]) + "\n")
@@ -82,12 +96,16 @@ def copy_document(rng: random.Random, tokenizer, length: int) -> tuple[np.ndarra
     return np.asarray(ids[:length], np.int32), np.asarray(mask[:length], np.int8)
 
 
-def copy_corpus(seed: int, num_documents: int, length: int, tokenizer) -> list[Sample]:
-    """`num_documents` samples whose loss covers the copies (see `copy_document`)."""
+def copy_corpus(
+    seed: int, num_documents: int, length: int, tokenizer, *, long_list_documents: int = 0
+) -> list[Sample]:
+    """`num_documents` samples whose loss covers the copies (see `copy_document`); the first
+    `long_list_documents` of them hold long lists only (`_LONG_LISTS`)."""
     rng = random.Random(f"t1jax-copy-corpus/{seed}")
     samples = []
     for index in range(num_documents):
-        tokens, loss_mask = copy_document(rng, tokenizer, length)
+        kinds = _LONG_LISTS if index < long_list_documents else _KINDS
+        tokens, loss_mask = copy_document(rng, tokenizer, length, kinds)
         samples.append(
             Sample(
                 tokens=tokens,
@@ -104,11 +122,13 @@ def copy_corpus(seed: int, num_documents: int, length: int, tokenizer) -> list[S
 
 @dataclass(frozen=True)
 class PretrainConfig:
-    """`steps` optimizer steps of `rows` documents of `length` tokens each."""
+    """`steps` optimizer steps of `rows` documents of `length` tokens each; the first
+    `long_list_steps` of them (at most `steps`) on long lists only (see `_LONG_LISTS`)."""
 
     model: str = "configs/demo/model.yaml"
     seed: int = 0
     steps: int = 300
+    long_list_steps: int = 150
     rows: int = 16
     length: int = 128
     learning_rate: float = 3e-3
@@ -118,6 +138,8 @@ class PretrainConfig:
     def __post_init__(self) -> None:
         if min(self.steps, self.rows, self.length) < 1:
             raise ValueError("pretrain steps, rows and length must be >= 1")
+        if self.long_list_steps < 0:
+            raise ValueError("pretrain long_list_steps must be >= 0")
 
 
 def run_pretrain(
@@ -141,7 +163,8 @@ def run_pretrain(
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     tokenizer = load_project_tokenizer()
-    corpus = copy_corpus(config.seed, config.steps * config.rows, config.length + 1, tokenizer)
+    corpus = copy_corpus(config.seed, config.steps * config.rows, config.length + 1, tokenizer,
+                         long_list_documents=min(config.long_list_steps, config.steps) * config.rows)  # fmt: skip
     actor = Qwen35MoeForCausalLM(load_config(config.model), rngs=nnx.Rngs(config.seed))
     critic = Qwen35MoeCritic.from_actor(actor, rngs=nnx.Rngs(config.seed + 1))
     rl_config = RLConfig(
@@ -196,15 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="model preset (YAML) or config.json")
     parser.add_argument("--out", required=True, type=Path, help="new run directory")
     defaults = PretrainConfig()
-    for name in ("seed", "steps", "rows", "length"):
-        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+    for name in ("seed", "steps", "rows", "length", "long_list_steps"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
     args = parser.parse_args(argv)
     try:
         if not Path(args.model).is_file():
             raise FileNotFoundError(f"--model {args.model} does not exist")
         config = PretrainConfig(model=args.model, seed=args.seed, steps=args.steps, rows=args.rows,
-                                length=args.length, learning_rate=args.learning_rate)  # fmt: skip
+                                length=args.length, learning_rate=args.learning_rate,
+                                long_list_steps=args.long_list_steps)  # fmt: skip
         summary = run_pretrain(config, args.out)
     except (ValueError, FileExistsError, FileNotFoundError) as error:
         print(f"pretrain: {error}", file=sys.stderr)
