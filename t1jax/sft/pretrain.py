@@ -163,8 +163,10 @@ def run_pretrain(
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     tokenizer = load_project_tokenizer()
-    corpus = copy_corpus(config.seed, config.steps * config.rows, config.length + 1, tokenizer,
-                         long_list_documents=min(config.long_list_steps, config.steps) * config.rows)  # fmt: skip
+    long_lists = min(config.long_list_steps, config.steps) * config.rows
+    corpus = copy_corpus(
+        config.seed, config.steps * config.rows, config.length + 1, tokenizer, long_list_documents=long_lists
+    )
     actor = Qwen35MoeForCausalLM(load_config(config.model), rngs=nnx.Rngs(config.seed))
     critic = Qwen35MoeCritic.from_actor(actor, rngs=nnx.Rngs(config.seed + 1))
     rl_config = RLConfig(
