@@ -347,6 +347,12 @@ def _torch_layout(named: Mapping[str, Any], prefix: str, packed: Mapping[str, Se
     return torch_layout, expert_blocks
 
 
+class UnsupportedWeightLayout(ValueError):
+    """The vLLM runner stores a weight in a layout the in-place writer does not write (a quantised
+    method, split unfused linears): refused before anything is written, never guessed at. The
+    layouts it writes are those the TPU contract tests check against tpu-inference's own loader."""
+
+
 def _tpu_linear(method: Any, weight: Any) -> Any:
     """A torch-layout [out, in] weight as tpu-inference's `VllmUnquantizedLinearMethod` stores
     it: transposed, then its own `process_linear_weights` / `shard_linear_weights`."""
@@ -359,7 +365,7 @@ def _tpu_linear(method: Any, weight: Any) -> Any:
 
     config = method.linear_config
     if not config.fuse_matmuls:
-        raise NotImplementedError("tpu-inference split (unfused) linear layouts are not supported")
+        raise UnsupportedWeightLayout("tpu-inference split (unfused) linear layouts are not written in place")
     weights = process_linear_weights(
         LinearWeights(
             weight=jnp.transpose(jnp.asarray(weight)), weight_scale=None, zero_point=None, bias=None
@@ -385,7 +391,9 @@ def _tpu_experts(module: Any, w13: Any, w2: Any) -> tuple[Any, Any]:
 
     method = module.quant_method
     if type(method).__name__ != "VllmUnquantizedFusedMoEMethod":
-        raise NotImplementedError(f"tpu-inference MoE method {type(method).__name__} is not supported")
+        raise UnsupportedWeightLayout(
+            f"tpu-inference MoE method {type(method).__name__} is not written in place"
+        )
     weights = process_unquantized_moe_weights(
         mesh=method.mesh,
         moe_backend=method.moe_backend,
@@ -441,7 +449,9 @@ def runner_arrays(runner: Any, named: Mapping[str, Any]) -> dict[str, Any]:
         method = getattr(torch_module.get_submodule(key.rpartition(".")[0]), "quant_method", None)
         kind = type(method).__name__
         if kind not in _PLAIN_METHODS | {"VllmUnquantizedLinearMethod"}:
-            raise NotImplementedError(f"{key}: tpu-inference weight method {kind} is not supported")
+            raise UnsupportedWeightLayout(
+                f"{key}: tpu-inference weight method {kind} is not written in place"
+            )
         with _layout_errors(key, weight):
             out[key] = _tpu_linear(method, weight) if kind == "VllmUnquantizedLinearMethod" else weight
     for module_key, (w13, w2) in expert_blocks.items():
