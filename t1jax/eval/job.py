@@ -313,7 +313,11 @@ def aggregate(results: Iterable[Mapping[str, Any]], load_errors: Sequence[tuple[
         return {name: summary(rows) for name, rows in sorted(groups.items())}
 
     overall = summary(counted)
-    unfaithful = sorted({r["task_id"] for r in counted if r.get("faithful") is False})
+    # One entry per task that ran on a stand-in image (its environment is the same for every attempt).
+    unfaithful: dict[str, str] = {}
+    for r in counted:
+        if r.get("faithful") is False:
+            unfaithful.setdefault(r["task_id"], r["environment"]["describe"])
     return {
         "format_version": FORMAT_VERSION,
         "n_total_trials": len(counted),
@@ -335,13 +339,7 @@ def aggregate(results: Iterable[Mapping[str, Any]], load_errors: Sequence[tuple[
         "skipped": [{"task_id": t, "reason": why[:500]} for t, why in sorted(skipped_tasks.items())],
         "backends": sorted({r["environment"]["backend"] for r in counted if r.get("environment")}),
         "n_unfaithful_tasks": len(unfaithful),
-        "unfaithful": [
-            {"task_id": r["task_id"], "environment": r["environment"]["describe"]}
-            for r in counted
-            if r["task_id"] in unfaithful and r["attempt"] == min(
-                q["attempt"] for q in counted if q["task_id"] == r["task_id"]
-            )
-        ],
+        "unfaithful": [{"task_id": t, "environment": e} for t, e in sorted(unfaithful.items())],
     }
 
 
