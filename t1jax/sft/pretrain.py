@@ -1,15 +1,25 @@
 """The demo's base model: a short pretraining of a randomly initialised model on a copy-rich corpus.
 
-A model the size of the demo's (~0.5M parameters) trained from scratch on the demonstrations
+A model the size of the demo's (~0.6M parameters) trained from scratch on the demonstrations
 alone learns the reply format and which command a step needs, but is slow to learn to *copy* a
 name from the instruction or an observation into its command: copying needs an induction-style
 attention circuit, which forms abruptly and only on data that rewards it and with an attention
 head wide enough to be sharp (measured, T=128, 16 rows a step, lr 3e-3: with head_dim 16 nothing
 is copied in 250 steps; with head_dim 64 two 10-30-word lists a document are copied at ~98% after
-~150 steps, the mix below alone still not after 250). This stage supplies that data cheaply,
-before any demonstration: first `long_list_steps` steps of long lists, then short plain-text
-documents (no chat tokens, no task, no command) whose last line repeats what the lines before it
-named (only that line carries loss):
+~150 steps). This stage supplies that data cheaply, before any demonstration, in three phases:
+
+1. `long_list_steps` steps of long lists of bare slot words (`list: a b c ...` / `again: a b c ...`):
+   the copy circuit forms here;
+2. `item_list_steps` steps of long lists of words *and paths* (`/app/a.sh /app/b/c.txt d ...`): a
+   path's word is its own token (`/queue`, not ` queue`) and every path starts with the same
+   `/app` tokens, so the circuit must learn to copy those tokens by the context before them. The
+   demonstrations' copied tokens are mostly such path words; without this phase the model copied
+   lists and never paths (path words at chance, 1/16, after SFT too: it wrote `/app/server.sh`
+   whatever the task named);
+3. the rest on short plain-text documents (no chat tokens, no task, no command) whose last line
+   repeats what a line before it named (only that line carries loss), with, at `distractor_rate`,
+   number lines between the two, so the copy is found by content at a varying distance and not at
+   a fixed offset:
 
 - `list: a b c` / `again: a b c` (random sequences of slot words, 2-8 long);
 - `file /app/a.txt` / `same /app/a.txt` (paths built from slot words and the suite's suffixes);
@@ -45,8 +55,24 @@ def _sequence(rng: random.Random) -> list[str]:
     return [f"list: {items}", f"again: {items}"]
 
 
+def _item(rng: random.Random) -> str:
+    """A slot word in one of the forms commands use it: a bare word or part of a path (a path's
+    word is a different token from the bare word, so the copy circuit must learn both)."""
+    roll = rng.random()
+    if roll < 0.3:
+        return rng.choice(SLOT_WORDS)
+    if roll < 0.8:
+        return f"/app/{rng.choice(SLOT_WORDS)}{rng.choice(SUFFIXES)}"
+    return f"/app/{rng.choice(SLOT_WORDS)}/{rng.choice(SLOT_WORDS)}{rng.choice(SUFFIXES)}"
+
+
 def _long_sequence(rng: random.Random) -> list[str]:
     items = " ".join(rng.choice(SLOT_WORDS) for _ in range(rng.randint(10, 30)))
+    return [f"list: {items}", f"again: {items}"]
+
+
+def _long_item_sequence(rng: random.Random) -> list[str]:
+    items = " ".join(_item(rng) for _ in range(rng.randint(6, 16)))
     return [f"list: {items}", f"again: {items}"]
 
 
@@ -75,37 +101,56 @@ _KINDS = ((_sequence, 0.55), (_path, 0.2), (_lookup, 0.15), (_number, 0.1))
 # accuracy at chance 1/16); two 10-30-word lists a document form it in ~150 steps, and the mix is
 # then learnt in ~50 more (measured: /work/notes/demo-research.md, issue 13).
 _LONG_LISTS = ((_long_sequence, 1.0),)
+_LONG_ITEM_LISTS = ((_long_item_sequence, 1.0),)
 
 
 def copy_document(
-    rng: random.Random, tokenizer, length: int, kinds=_KINDS
+    rng: random.Random, tokenizer, length: int, kinds=_KINDS, distractor_rate: float = 0.0
 ) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, loss mask) of one document, exactly `length` long. Only the last line of each
     group (the copy, which the lines before it determine) carries loss: the gradient goes to the
-    copy circuit, not to guessing random words."""
+    copy circuit, not to guessing random words. With probability `distractor_rate` a group's copy
+    is separated from what it copies by 1-6 number groups (which name no slot word): the copy must
+    then be found by content at a varying distance, not at a fixed offset."""
     ids: list[int] = []
     mask: list[int] = []
     makers, weights = zip(*kinds, strict=True)
     while len(ids) < length:
         lines = rng.choices(makers, weights=weights)[0](rng)
         context = tokenizer.encode_text("\n".join(lines[:-1]) + "\n")
+        ids += context
+        mask += [0] * len(context)
+        if rng.random() < distractor_rate:
+            for _ in range(rng.randint(1, 6)):
+                head, again = _number(rng)
+                first, second = tokenizer.encode_text(head + "\n"), tokenizer.encode_text(again + "\n")
+                ids += first + second
+                mask += [0] * len(first) + [1] * len(second)
         copy = tokenizer.encode_text(lines[-1] + "\n")
-        ids += context + copy
-        mask += [0] * len(context) + [1] * len(copy)
+        ids += copy
+        mask += [1] * len(copy)
     mask[0] = 0
     return np.asarray(ids[:length], np.int32), np.asarray(mask[:length], np.int8)
 
 
 def copy_corpus(
-    seed: int, num_documents: int, length: int, tokenizer, *, long_list_documents: int = 0
+    seed: int, num_documents: int, length: int, tokenizer, *, long_list_documents: int = 0,
+    item_list_documents: int = 0, distractor_rate: float = 0.0,
 ) -> list[Sample]:
     """`num_documents` samples whose loss covers the copies (see `copy_document`); the first
     `long_list_documents` of them hold long lists only (`_LONG_LISTS`)."""
     rng = random.Random(f"t1jax-copy-corpus/{seed}")
     samples = []
     for index in range(num_documents):
-        kinds = _LONG_LISTS if index < long_list_documents else _KINDS
-        tokens, loss_mask = copy_document(rng, tokenizer, length, kinds)
+        curriculum = index < long_list_documents + item_list_documents
+        if index < long_list_documents:
+            kinds = _LONG_LISTS
+        elif curriculum:
+            kinds = _LONG_ITEM_LISTS
+        else:
+            kinds = _KINDS
+        rate = 0.0 if curriculum else distractor_rate
+        tokens, loss_mask = copy_document(rng, tokenizer, length, kinds, rate)
         samples.append(
             Sample(
                 tokens=tokens,
@@ -122,13 +167,17 @@ def copy_corpus(
 
 @dataclass(frozen=True)
 class PretrainConfig:
-    """`steps` optimizer steps of `rows` documents of `length` tokens each; the first
-    `long_list_steps` of them (at most `steps`) on long lists only (see `_LONG_LISTS`)."""
+    """`steps` optimizer steps of `rows` documents of `length` tokens each: the first
+    `long_list_steps` on long lists of bare words (`_LONG_LISTS`), the next `item_list_steps` on
+    long lists of words and paths (`_LONG_ITEM_LISTS`), the rest on the mix (`_KINDS`), where a
+    copy is separated from its source by number lines with probability `distractor_rate`."""
 
     model: str = "configs/demo/model.yaml"
     seed: int = 0
-    steps: int = 300
+    steps: int = 450
     long_list_steps: int = 150
+    item_list_steps: int = 150
+    distractor_rate: float = 0.6
     rows: int = 16
     length: int = 128
     learning_rate: float = 3e-3
@@ -138,8 +187,10 @@ class PretrainConfig:
     def __post_init__(self) -> None:
         if min(self.steps, self.rows, self.length) < 1:
             raise ValueError("pretrain steps, rows and length must be >= 1")
-        if self.long_list_steps < 0:
-            raise ValueError("pretrain long_list_steps must be >= 0")
+        if self.long_list_steps < 0 or self.item_list_steps < 0:
+            raise ValueError("pretrain long_list_steps and item_list_steps must be >= 0")
+        if not 0.0 <= self.distractor_rate <= 1.0:
+            raise ValueError(f"pretrain distractor_rate must be in [0, 1], got {self.distractor_rate}")
 
 
 def run_pretrain(
@@ -164,8 +215,10 @@ def run_pretrain(
     started = time.monotonic()
     tokenizer = load_project_tokenizer()
     long_lists = min(config.long_list_steps, config.steps) * config.rows
+    item_lists = max(0, min(config.item_list_steps, config.steps - config.long_list_steps)) * config.rows
     corpus = copy_corpus(
-        config.seed, config.steps * config.rows, config.length + 1, tokenizer, long_list_documents=long_lists
+        config.seed, config.steps * config.rows, config.length + 1, tokenizer, long_list_documents=long_lists,
+        item_list_documents=item_lists, distractor_rate=config.distractor_rate,
     )
     actor = Qwen35MoeForCausalLM(load_config(config.model), rngs=nnx.Rngs(config.seed))
     critic = Qwen35MoeCritic.from_actor(actor, rngs=nnx.Rngs(config.seed + 1))
@@ -221,16 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="model preset (YAML) or config.json")
     parser.add_argument("--out", required=True, type=Path, help="new run directory")
     defaults = PretrainConfig()
-    for name in ("seed", "steps", "rows", "length", "long_list_steps"):
+    for name in ("seed", "steps", "rows", "length", "long_list_steps", "item_list_steps"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    parser.add_argument("--distractor-rate", type=float, default=defaults.distractor_rate)
     args = parser.parse_args(argv)
     try:
         if not Path(args.model).is_file():
             raise FileNotFoundError(f"--model {args.model} does not exist")
         config = PretrainConfig(model=args.model, seed=args.seed, steps=args.steps, rows=args.rows,
                                 length=args.length, learning_rate=args.learning_rate,
-                                long_list_steps=args.long_list_steps)  # fmt: skip
+                                long_list_steps=args.long_list_steps, item_list_steps=args.item_list_steps,
+                                distractor_rate=args.distractor_rate)  # fmt: skip
         summary = run_pretrain(config, args.out)
     except (ValueError, FileExistsError, FileNotFoundError) as error:
         print(f"pretrain: {error}", file=sys.stderr)

@@ -81,26 +81,21 @@ _SECTIONS = {"harness": HarnessConfig, "demonstrations": DemoConfig, "training":
 
 
 def sft_config_from_dict(raw: Mapping[str, Any], *, source: str = "<dict>") -> SFTConfig:
-    """Strict: an unknown section or key is an error naming it."""
+    """Strict: an unknown section or key, or a value of the wrong kind (a YAML `3e-3` is a string),
+    is an error naming it."""
+    # the run config's typed section reader, so `t1jax sft` and `t1jax train` judge a YAML alike
+    from t1jax.controller.config import ConfigError, section_from_dict
+
     known = {f.name for f in dataclasses.fields(SFTConfig)}
     unknown = set(raw) - known
     if unknown:
         raise ValueError(f"{source}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
     values: dict[str, Any] = {k: raw[k] for k in ("model", "init", "seed") if k in raw}
     for name, cls in _SECTIONS.items():
-        section = raw.get(name) or {}
-        if not isinstance(section, Mapping):
-            raise ValueError(f"{source}: section {name!r} must be a mapping")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        bad = set(section) - fields
-        if bad:
-            raise ValueError(
-                f"{source}: unknown key(s) {sorted(bad)} in section {name!r}; known: {sorted(fields)}"
-            )
         try:
-            values[name] = cls(**section)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"{source}: section {name!r}: {error}") from error
+            values[name] = section_from_dict(cls, raw.get(name), name)
+        except ConfigError as error:
+            raise ValueError(f"{source}: {error}") from error
     return SFTConfig(**values)
 
 

@@ -205,5 +205,9 @@ def test_sft_cli_rejects_bad_input(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("training:\n  epoch: 3\n")
     typo = run_cli("--config", str(bad), "--tasks", str(tmp_path), "--out", str(tmp_path / "o"))
-    assert typo.returncode == 2 and "unknown key(s) ['epoch']" in typo.stderr
-    assert "Traceback" not in missing.stderr + typo.stderr
+    assert typo.returncode == 2 and "training.epoch: unknown key" in typo.stderr
+    # YAML reads `3e-3` (no dot) as a string: refused before any sandbox starts, naming the key
+    bad.write_text("training:\n  learning_rate: 3e-3\n")
+    kind = run_cli("--config", str(bad), "--tasks", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert kind.returncode == 2 and "training.learning_rate: must be a number" in kind.stderr
+    assert "Traceback" not in missing.stderr + typo.stderr + kind.stderr
