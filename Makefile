@@ -55,11 +55,13 @@ test:
 # where it stopped. `make ablation`: the binary-reward RL campaign next to the demo's test-count one,
 # from the same SFT and warm-up (it reuses DEMO_OUT's stages).
 DEMO_OUT ?= runs/demo
+# DEMO_SEED is added to every training / eval seed, not the suite's: make demo DEMO_SEED=1 DEMO_OUT=runs/demo-seed1
+DEMO_SEED ?= 0
 demo:
-	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(DEMO_OUT)
+	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(DEMO_OUT) --seed $(DEMO_SEED)
 
 ablation:
-	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(DEMO_OUT) --ablation
+	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(DEMO_OUT) --seed $(DEMO_SEED) --ablation
 
 test-slow:
 	$(PY) -m pytest -m "slow" -q

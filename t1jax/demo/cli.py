@@ -21,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ablation", action="store_true",
         help="also run the binary-reward RL campaign (rl-binary) from the same SFT and warm-up",
     )  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int, default=0,
+        help="added to every training and evaluation seed (not the suite's): a second seed's run",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -32,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from t1jax.demo.driver import Demo, load_demo_config, render_markdown
 
     config, base_dir = load_demo_config(args.config)
-    demo = Demo(config, base_dir, args.out, ablation=args.ablation)
+    demo = Demo(config, base_dir, args.out, ablation=args.ablation, seed=args.seed)
     console = Console(stderr=True)
     started = time.monotonic()
 

@@ -155,8 +155,11 @@ class Stage:
 
 class Demo:
     def __init__(self, config: DemoConfig, base_dir: Path, out: Path, *, quiet: bool = False,
-                 ablation: bool = False):  # fmt: skip
+                 ablation: bool = False, seed: int = 0):  # fmt: skip
         self.config, self.base_dir, self.out, self.quiet = config, base_dir, Path(out), quiet
+        # `seed` is added to every training and evaluation seed (base, SFT, warm-up, RL, eval) but
+        # not to the suite's: a second seed is a second run on the same held-out tasks.
+        self.seed = seed
         # RL campaigns by run-directory name -> `--set` overrides on top of the rl stage's; the
         # ablation adds the binary-reward campaign, identical to `rl` but for the reward.
         self.campaigns: dict[str, dict[str, Any]] = {"rl": {}}
@@ -187,7 +190,7 @@ class Demo:
                   tasks / "manifest.json", workdir=tasks),
             self._base_stage(),
             Stage("sft", [*cli, "sft", "--config", str(self.path(c.sft.config)),
-                          "--tasks", str(tasks / "train"),
+                          "--tasks", str(tasks / "train"), *self._sft_seed(),
                           "--out", str(out / "sft"), "--init", str(self.base_checkpoint)],
                   out / "sft" / "checkpoint" / "config.json", workdir=out / "sft"),
         ]  # fmt: skip
@@ -235,6 +238,11 @@ class Demo:
                    "--set", f"tasks.directory={self.out / 'tasks' / 'train'}"]  # fmt: skip
         if critic is not None:
             command += ["--set", f"model.critic_checkpoint={critic}"]
+        if self.seed:
+            from t1jax.controller.config import load_run_config
+
+            run_seed = load_run_config(self.path(stage.config)).run.seed + self.seed
+            command += ["--set", f"run.seed={run_seed}"]
         for key, value in {**stage.overrides, **overrides}.items():
             command += ["--set", f"{key}={json.dumps(value)}"]
         return command
@@ -246,11 +254,18 @@ class Demo:
                    "--max-turns", str(e.max_turns), "--no-progress",
                    "--context-window", str(e.context_window),
                    "--max-tokens-per-turn", str(e.max_tokens_per_turn), "--terminal", e.terminal,
-                   "--prompt-profile", e.prompt_profile, "--seed", str(e.seed)]  # fmt: skip
+                   "--prompt-profile", e.prompt_profile, "--seed", str(e.seed + self.seed)]  # fmt: skip
         if mode == "greedy":
             return [*command, "--greedy", "--attempts", "1"]
         return [*command, "--attempts", str(e.sampled_attempts), "--temperature", str(e.temperature),
                 "--top-p", str(e.top_p), "--top-k", str(e.top_k)]  # fmt: skip
+
+    def _sft_seed(self) -> list[str]:
+        if not self.seed:
+            return []
+        from t1jax.sft.train import load_sft_config
+
+        return ["--seed", str(load_sft_config(self.path(self.config.sft.config)).seed + self.seed)]
 
     @property
     def base_checkpoint(self) -> Path:
@@ -264,7 +279,7 @@ class Demo:
             return Stage("base", None, self.base_checkpoint / "config.json", action=self._write_base,
                          workdir=self.out / "base")  # fmt: skip
         command = [sys.executable, "-m", "t1jax.sft.pretrain", "--model", str(self.path(base.preset)),
-                   "--out", str(self.out / "pretrain"), "--seed", str(base.seed),
+                   "--out", str(self.out / "pretrain"), "--seed", str(base.seed + self.seed),
                    "--steps", str(base.pretrain_steps), "--rows", str(base.pretrain_rows),
                    "--length", str(base.pretrain_length)]  # fmt: skip
         return Stage("base", command, self.base_checkpoint / "config.json", workdir=self.out / "pretrain")
@@ -275,7 +290,8 @@ class Demo:
         from t1jax.model import Qwen35MoeForCausalLM, load_config, save_pretrained
 
         config = load_config(self.path(self.config.base.preset))
-        save_pretrained(Qwen35MoeForCausalLM(config, rngs=nnx.Rngs(self.config.base.seed)), self.out / "base")
+        seed = self.config.base.seed + self.seed
+        save_pretrained(Qwen35MoeForCausalLM(config, rngs=nnx.Rngs(seed)), self.out / "base")
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -354,6 +370,7 @@ class Demo:
                 plots += [str(p) for p in self._plots(name)]
         seconds = self._stage_seconds(stages)
         summary = {
+            "seed": self.seed,
             "table": table,
             "verdicts": verdicts,
             "sft_reward_variance": self._reward_variance(),

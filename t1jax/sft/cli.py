@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--init", default=None, help="start from this checkpoint directory (overrides the config)"
     )
     parser.add_argument("--epochs", type=int, default=None, help="override training.epochs")
+    parser.add_argument("--seed", type=int, default=None, help="override seed (demonstration mistakes, order)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
             config = dataclasses.replace(
                 config, training=dataclasses.replace(config.training, epochs=args.epochs)
             )
+        if args.seed is not None:
+            config = dataclasses.replace(config, seed=args.seed)
         if config.init is not None and not (Path(config.init) / "config.json").is_file():
             raise ValueError(f"init checkpoint {config.init} has no config.json")
         if not args.tasks.is_dir():

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from t1jax.demo.driver import load_demo_config
+
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIGS = REPO / "configs" / "demo"
 # The demo's own configs, shrunk: 2 turns of up to 16 tokens, one RL step of 2 trials.
@@ -132,3 +134,23 @@ def test_a_bad_demo_config_is_one_line(tmp_path, text, needle):
     result = _demo(config, tmp_path / "out")
     assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_a_second_seed_moves_every_training_and_eval_seed_but_not_the_suites(tmp_path):
+    from t1jax.demo.driver import Demo
+
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    first = {s.name: s.command for s in Demo(config, base_dir, tmp_path / "a").stages()}
+    second = {s.name: s.command for s in Demo(config, base_dir, tmp_path / "b", seed=1).stages()}
+
+    def flag(command, name):
+        values = [command[i + 1] for i, part in enumerate(command[:-1]) if part == name]
+        return values[-1] if values else None
+
+    assert flag(first["tasks"], "--seed") == flag(second["tasks"], "--seed")  # the same suite
+    assert int(flag(second["base"], "--seed")) == int(flag(first["base"], "--seed")) + 1
+    assert flag(first["sft"], "--seed") is None and flag(second["sft"], "--seed") == "1"
+    for name in ("warmup", "rl"):
+        assert "run.seed=1" in second[name] and not any("run.seed" in p for p in first[name])
+    for name in ("eval sft greedy", "eval rl sampled"):
+        assert int(flag(second[name], "--seed")) == int(flag(first[name], "--seed")) + 1
