@@ -353,7 +353,7 @@ class Demo:
                     "n_trials": result["n_total_trials"],
                     "n_errors": result["n_errors"],
                 }
-        verdicts = {}
+        verdicts, tests_verdicts = {}, {}
         for mode in self.modes:
             for better, worse in self.comparisons():
                 jobs = [self.eval_dir / f"{name}-{mode}" for name in (better, worse)]
@@ -362,6 +362,11 @@ class Demo:
                 diff = paired_difference(per_task(jobs[0]), per_task(jobs[1]))
                 if diff is not None:
                     verdicts[f"{better}>{worse} ({mode})"] = {
+                        "difference": diff[0], "ci95": [diff[1], diff[2]], "beyond_noise": diff[1] > 0,
+                    }  # fmt: skip
+                diff = paired_difference(_test_fractions(jobs[0]), _test_fractions(jobs[1]))
+                if diff is not None:
+                    tests_verdicts[f"{better}>{worse} ({mode})"] = {
                         "difference": diff[0], "ci95": [diff[1], diff[2]], "beyond_noise": diff[1] > 0,
                     }  # fmt: skip
         plots = []
@@ -373,6 +378,9 @@ class Demo:
             "seed": self.seed,
             "table": table,
             "verdicts": verdicts,
+            # the same comparisons on the share of a task's tests passed: informational (the
+            # verdict, and `make demo`'s exit status, are on the resolved rate, as the paper's)
+            "tests_passed_verdicts": tests_verdicts,
             "sft_reward_variance": self._reward_variance(),
             "stage_seconds": seconds,
             "stages_skipped": [s.name for s in stages if s.skipped],
@@ -438,6 +446,15 @@ class Demo:
         return written
 
 
+def _test_fractions(job: Path) -> dict[str, list[float]]:
+    """Each task's trials' shares of tests passed (0 where the verifier reported none)."""
+    from t1jax.eval.job import per_task
+
+    passed, total = per_task(job, "tests_passed"), per_task(job, "tests_total")
+    return {task: [p / t if t else 0.0 for p, t in zip(passed[task], total[task], strict=True)]
+            for task in passed}  # fmt: skip
+
+
 def render_markdown(summary: dict[str, Any]) -> str:
     lines = ["| checkpoint | resolved | 95% CI | pass@1 | tests passed | trials | errors |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -453,6 +470,11 @@ def render_markdown(summary: dict[str, Any]) -> str:
         low, high = verdict["ci95"]
         mark = "beyond the noise" if verdict["beyond_noise"] else "NOT beyond the noise"
         lines.append(f"- {name}: {verdict['difference']:+.3f} [{low:+.3f}, {high:+.3f}] — {mark}")
+    for name, verdict in summary.get("tests_passed_verdicts", {}).items():
+        low, high = verdict["ci95"]
+        mark = "beyond the noise" if verdict["beyond_noise"] else "not beyond the noise"
+        lines.append(f"- share of tests passed, {name}: {verdict['difference']:+.3f} [{low:+.3f}, {high:+.3f}] "
+                     f"— {mark} (informational)")  # fmt: skip
     variance = summary.get("sft_reward_variance")
     if variance:
         lines.append(

@@ -74,6 +74,7 @@ def test_demo_runs_every_stage_and_resumes(tmp_path):
     for row in summary["table"].values():
         assert row["n_trials"] == 1 and 0.0 <= row["resolved_rate"] <= 1.0
     assert set(summary["verdicts"]) == {"rl>sft (sampled)", "sft>base (sampled)"}
+    assert set(summary["tests_passed_verdicts"]) == set(summary["verdicts"])  # informational twin
     for verdict in summary["verdicts"].values():
         low, high = verdict["ci95"]
         assert low <= verdict["difference"] <= high and verdict["beyond_noise"] == (low > 0)
@@ -154,3 +155,15 @@ def test_a_second_seed_moves_every_training_and_eval_seed_but_not_the_suites(tmp
         assert "run.seed=1" in second[name] and not any("run.seed" in p for p in first[name])
     for name in ("eval sft greedy", "eval rl sampled"):
         assert int(flag(second[name], "--seed")) == int(flag(first[name], "--seed")) + 1
+
+
+def test_share_of_tests_passed_is_per_task_mean_of_each_trials_share(tmp_path):
+    from t1jax.demo.driver import _test_fractions
+
+    trials = [("a", 1, 4), ("a", 3, 4), ("b", 0, 0), ("c", 2, 2)]  # b: the verifier reported none
+    for index, (task, passed, total) in enumerate(trials):
+        trial = tmp_path / f"t{index}"
+        trial.mkdir()
+        (trial / "result.json").write_text(json.dumps(
+            {"task_id": task, "skipped": False, "tests_passed": passed, "tests_total": total}))  # fmt: skip
+    assert _test_fractions(tmp_path) == {"a": [0.25, 0.75], "b": [0.0], "c": [1.0]}
