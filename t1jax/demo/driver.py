@@ -11,7 +11,8 @@ real sandboxes, the JAX engine, the learner, the controller and the evaluator, a
     OUT/sft/                      demonstrations in real sandboxes -> masked cross-entropy (t1jax sft)
     OUT/warmup/                   critic warm-up: t1jax train with the actor held (§4.5)
     OUT/rl/                       RL from the SFT actor and the warmed-up critic (t1jax train);
-                                  with --ablation also OUT/rl-binary/ (only the reward differs)
+                                  with --ablation also OUT/warmup-binary/ and OUT/rl-binary/ (only
+                                  the reward differs, in the warm-up as in RL)
     OUT/eval/<ckpt>-<mode>/       t1jax eval on the held-out split, greedy and sampled
     OUT/<campaign>/plots/*.png    training curves and evaluation bars (t1jax.report.curves)
     OUT/summary.{json,md}         the table, the verdicts, the SFT reward-variance share, seconds
@@ -195,10 +196,15 @@ class Demo:
                   out / "sft" / "checkpoint" / "config.json", workdir=out / "sft"),
         ]  # fmt: skip
         sft = out / "sft" / "checkpoint"
-        warmup = self._train_command("warmup", c.warmup, {}, actor=sft, critic=None)
-        stages.append(Stage("warmup", warmup, out / "warmup" / "status.json", workdir=out / "warmup"))
+        # Each campaign warms its critic up with its own reward: a critic fitted to the test-count
+        # return (~0.06 here) under a binary reward that is ~always 0 makes every advantage
+        # negative, and the ablation would measure the mismatch, not the reward.
         for name, overrides in self.campaigns.items():
-            command = self._train_command(name, c.rl, overrides, actor=sft, critic=out / "warmup")
+            warmup = self.warmup_dir(name)
+            command = self._train_command(warmup.name, c.warmup, overrides, actor=sft, critic=None)
+            stages.append(Stage(warmup.name, command, warmup / "status.json", workdir=warmup))
+        for name, overrides in self.campaigns.items():
+            command = self._train_command(name, c.rl, overrides, actor=sft, critic=self.warmup_dir(name))
             stages.append(Stage(name, command, out / name / "status.json", workdir=out / name))
         for name, checkpoint in self.checkpoints.items():
             for mode in self.modes:
@@ -206,6 +212,11 @@ class Demo:
                 command = self._eval_command(checkpoint, job, mode)
                 stages.append(Stage(f"eval {name} {mode}", command, job / "result.json", workdir=job))
         return stages
+
+    def warmup_dir(self, campaign: str) -> Path:
+        """The critic warm-up of an RL campaign: `warmup/` for the demo's own, `warmup-<suffix>/`
+        for an ablation's (`rl-binary` -> `warmup-binary`)."""
+        return self.out / ("warmup" if campaign == "rl" else "warmup-" + campaign.removeprefix("rl-"))
 
     @property
     def eval_dir(self) -> Path:

@@ -209,9 +209,14 @@ def _fill(
 
 def split_into_minibatches(micro_batches: Sequence[_Item], num_minibatches: int) -> list[list[_Item]]:
     """Deal micro-batches round-robin into `num_minibatches` groups (one optimizer step each);
-    round-robin mixes the long and short micro-batches that length sorting put next to each other."""
-    if num_minibatches <= 0 or num_minibatches > len(micro_batches):
-        raise ValueError(
-            f"cannot split {len(micro_batches)} micro-batches into {num_minibatches} minibatches"
-        )
+    round-robin mixes the long and short micro-batches that length sorting put next to each other.
+    A batch that packs into fewer micro-batches than that gets one group per micro-batch (a micro-
+    batch is the smallest step): how many rows a batch packs into depends on its samples' lengths,
+    so refusing would end a run after its rollouts were spent (the learner reports the number of
+    optimizer steps it took as `*/num_updates`)."""
+    if num_minibatches <= 0:
+        raise ValueError(f"num_minibatches must be >= 1, got {num_minibatches}")
+    if not micro_batches:
+        raise ValueError("no micro-batches to split")
+    num_minibatches = min(num_minibatches, len(micro_batches))
     return [list(micro_batches[k::num_minibatches]) for k in range(num_minibatches)]

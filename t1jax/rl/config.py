@@ -42,7 +42,8 @@ class PPOConfig:
     """Clip thresholds (Eq. 17, 18) and the update schedule of one RL step.
 
     Each role runs `*_epochs` passes over the batch, each pass split into `minibatches`
-    optimizer steps (the default 1 x 1 is one optimizer step per role per RL step).
+    optimizer steps (the default 1 x 1 is one optimizer step per role per RL step); a batch that
+    packs into fewer micro-batches than `minibatches` takes one step per micro-batch.
     `routing_replay` replays the sample's routing in the actor's passes (Eq. 26, 27); turn it off
     only for dense models or ablations.
 

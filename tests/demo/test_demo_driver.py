@@ -167,3 +167,24 @@ def test_share_of_tests_passed_is_per_task_mean_of_each_trials_share(tmp_path):
         (trial / "result.json").write_text(json.dumps(
             {"task_id": task, "skipped": False, "tests_passed": passed, "tests_total": total}))  # fmt: skip
     assert _test_fractions(tmp_path) == {"a": [0.25, 0.75], "b": [0.0], "c": [1.0]}
+
+
+def test_the_ablation_differs_only_in_reward_warm_up_included(tmp_path):
+    from t1jax.demo.driver import Demo
+
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    demo = Demo(config, base_dir, tmp_path, ablation=True)
+    stages = {s.name: s.command for s in demo.stages()}
+    assert [n for n in stages if not n.startswith("eval")] == [
+        "tasks", "base", "sft", "warmup", "warmup-binary", "rl", "rl-binary"]  # fmt: skip
+
+    def extra(name):  # the --set overrides beyond what every campaign gets
+        command = stages[name]
+        sets = {command[i + 1] for i, part in enumerate(command[:-1]) if part == "--set"}
+        return {s for s in sets if not s.startswith(("model.", "tasks."))}
+
+    assert extra("warmup") == extra("rl") == set()
+    assert extra("warmup-binary") == extra("rl-binary") == {'rl.reward.kind="binary"'}
+    assert f"model.critic_checkpoint={tmp_path / 'warmup-binary'}" in stages["rl-binary"]
+    assert f"model.critic_checkpoint={tmp_path / 'warmup'}" in stages["rl"]
+    assert not any("critic_checkpoint" in part for part in stages["warmup-binary"])

@@ -93,5 +93,9 @@ def test_samples_without_routing_give_a_batch_without_routing():
 
 def test_minibatches_deal_round_robin():
     assert split_into_minibatches([0, 1, 2, 3, 4], 2) == [[0, 2, 4], [1, 3]]
-    with pytest.raises(ValueError, match="cannot split 2 micro-batches into 3"):
-        split_into_minibatches([0, 1], 3)
+    # fewer micro-batches than minibatches (a batch of short samples): one step per micro-batch
+    assert split_into_minibatches([0, 1], 3) == [[0], [1]]
+    with pytest.raises(ValueError, match="num_minibatches must be >= 1"):
+        split_into_minibatches([0, 1], 0)
+    with pytest.raises(ValueError, match="no micro-batches"):
+        split_into_minibatches([], 2)
