@@ -324,6 +324,7 @@ class Demo:
             else:
                 self._run_command(stage)
             stage.seconds = time.monotonic() - began
+            self._stage_seconds([stage])  # recorded now: a later stage's failure must not lose it
         summary = self.summarize(stages, time.monotonic() - started)
         if display is not None:
             display(stages, None)
