@@ -485,8 +485,8 @@ def render_markdown(summary: dict[str, Any]) -> str:
     for name, verdict in summary.get("tests_passed_verdicts", {}).items():
         low, high = verdict["ci95"]
         mark = "beyond the noise" if verdict["beyond_noise"] else "not beyond the noise"
-        lines.append(f"- share of tests passed, {name}: {verdict['difference']:+.3f} [{low:+.3f}, {high:+.3f}] "
-                     f"— {mark} (informational)")  # fmt: skip
+        difference = f"{verdict['difference']:+.3f} [{low:+.3f}, {high:+.3f}]"
+        lines.append(f"- share of tests passed, {name}: {difference} — {mark} (informational)")
     variance = summary.get("sft_reward_variance")
     if variance:
         lines.append(

@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--init", default=None, help="start from this checkpoint directory (overrides the config)"
     )
     parser.add_argument("--epochs", type=int, default=None, help="override training.epochs")
-    parser.add_argument("--seed", type=int, default=None, help="override seed (demonstration mistakes, order)")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="override seed (demonstration mistakes, order)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,9 +23,12 @@ def test_32_concurrent_sandboxes_without_leaks(backend, hello_task):
         with lock:
             sandboxes.append(sandbox)
         try:
-            marker = sandbox.exec(
-                f"echo {index} > /tmp/marker; setsid sleep 600 > /dev/null 2>&1 & cat /tmp/marker", 60
-            )
+            # the daemon is backgrounded: wait (up to 10 s) until it has exec'd, or a loaded host
+            # counts its not-yet-exec'd shell and the check below sees 1 process instead of 2
+            count = count_processes("sleep?*")
+            started = f'for i in $(seq 200); do [ "$({count})" -ge 2 ] && break; sleep 0.05; done; '
+            daemon = "setsid sleep 600 > /dev/null 2>&1 & "
+            marker = sandbox.exec(f"echo {index} > /tmp/marker; {daemon}{started}cat /tmp/marker", 60)
             seen = sandbox.exec("ls /app; cat /tmp/marker; " + count_processes("sleep?*"), 60).stdout.split()
             if index % 2 == 0:
                 sandbox.exec('echo "Hello, world!" > /app/hello.txt', 60)
