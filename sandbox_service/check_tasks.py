@@ -20,7 +20,8 @@ reason: they are neither sound nor unsound here.
 Invariants:
 - One `TaskAudit` per task directory found (loaded or not), in path order.
 - Every sandbox it creates is closed, whatever happens; on KeyboardInterrupt it cancels the run's
-  trials (when the provider can), waits for its workers, and re-raises.
+  trials (when the provider can, until no worker is left: a worker may start a trial after the
+  first cancellation), waits for its workers, and re-raises.
 - Every audit of a task that ran names the backend and carries its `EnvironmentAudit` and the tail
   of each verifier's output.
 """
@@ -205,8 +206,15 @@ def check_tasks(
         for future in futures:
             future.cancel()
         cancel_run = getattr(provider, "cancel_run", None)
-        if cancel_run is not None:
-            cancel_run(run_id)  # interrupts running trials: their sandboxes close under them
+        running = {future for future in futures if not future.done()}
+        while running:
+            # Interrupts running trials: their sandboxes close under them. Again every round: a
+            # task whose reference trial was cancelled while it verified may already have started
+            # its no-op trial, which the first call could not see (on a loaded host this one then
+            # ran its verifier to the timeout and Ctrl-C took minutes).
+            if cancel_run is not None:
+                cancel_run(run_id)
+            _, running = wait(running, timeout=0.5)
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
