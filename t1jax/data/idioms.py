@@ -9,7 +9,11 @@ for `wc -l < f`...), every one of which some check catches.
 Inspection steps (`Step.inspect`) name a file or value only indirectly ("the one file in
 /app/inbox", "the value of port in /app/x.ini"): the agent must read the environment first and
 use what it printed; the reference solution knows the value, the demonstrator runs the inspection
-command and then acts on what it showed.
+command and then acts on what it showed. A directory is listed with `ls -d DIR/*`, which prints
+full paths: the command then repeats the printed path's tokens (`/report` after `/inbox`), which a
+small model copies as it copies paths from the instruction; a bare `ls DIR` prints `report.txt`,
+whose word is a third token (neither ` report` nor `/report`), and the demo's SFT policy never
+learnt to map it (measured: `output.sh` listed, `sh /app/input/user.sh` run).
 
 Slot values are words of `SLOT_WORDS`: 16 words, each a single token of the project BPE both
 after a space and after a slash (`/report`, ` report`), so copying a name is copying one token
@@ -237,7 +241,7 @@ def run_only_script(s: Slots) -> Step:
         "scripting",
         f"Run the only script in {root} and save what it prints to {out_path}.",
         files=(EnvFile(path, f"#!/bin/sh\necho {word}\n"),),
-        inspect=(f"ls {root}",),
+        inspect=(f"ls -d {root}/*",),
         checks=(_exists(out_path), Check("output", f"assert {_read(out_path)}.strip() == {word!r}")),
         actions=(f"sh {path} > {out_path}",),
         mistakes=(Mistake("not-executable", (f"{path} > {out_path}",)),),
@@ -840,7 +844,7 @@ def move_only_file(s: Slots) -> Step:
         "file-operations",
         f"Move the only file in {source} into the existing directory {target}.",
         files=(EnvFile(f"{source}/{name}.txt", text), EnvFile(f"{target}/.keep", "")),
-        inspect=(f"ls {source}",),
+        inspect=(f"ls -d {source}/*",),
         checks=(
             Check("moved", f"assert {_read(f'{target}/{name}.txt')} == {text!r}"),
             Check("source_empty", f"assert os.listdir({source!r}) == []"),

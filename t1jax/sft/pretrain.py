@@ -24,6 +24,8 @@ is copied in 250 steps; with head_dim 64 two 10-30-word lists a document are cop
 - `list: a b c` / `again: a b c` (random sequences of slot words, 2-8 long);
 - `file /app/a.txt` / `same /app/a.txt` (paths built from slot words and the suite's suffixes);
 - `a = b`, `c = d` ... / `get c: d` (key-value lookup);
+- `ls -d /app/d/*` / `/app/d/a.sh` / `open /app/d/a.sh`, and `cat /app/d.ini` / `k = v` ... /
+  `put k v` (what an inspection command printed, used by the next command: `_listing`);
 - `count 7` / `again 7` (small numbers).
 
 So the base knows the vocabulary and how to copy, and nothing about the harness, the tool-call
@@ -90,12 +92,28 @@ def _lookup(rng: random.Random) -> list[str]:
     return [*(f"{k} = {v}" for k, v in zip(keys, values, strict=True)), f"get {keys[index]}: {values[index]}"]
 
 
+def _listing(rng: random.Random) -> list[str]:
+    """What an inspection command shows, then a command line that uses it, as the suite's
+    inspection steps do (`ls -d /app/input/*` -> `sh /app/input/x.sh`, `cat /app/a.ini` ->
+    `echo <value>`): a listing of full paths (the command repeats the listed path's tokens), or a
+    settings file whose value for a key the command needs."""
+    directory = rng.choice(SLOT_WORDS)
+    if rng.random() < 0.5:
+        path = f"/app/{directory}/{rng.choice(SLOT_WORDS)}{rng.choice(SUFFIXES)}"
+        return [f"ls -d /app/{directory}/*", path, f"open {path}"]
+    keys = rng.sample(SLOT_WORDS, 2)
+    values = [rng.choice(SLOT_WORDS) for _ in keys]
+    index = rng.randrange(len(keys))
+    return [f"cat /app/{directory}.ini", *(f"{k} = {v}" for k, v in zip(keys, values, strict=True)),
+            f"put {keys[index]} {values[index]}"]  # fmt: skip
+
+
 def _number(rng: random.Random) -> list[str]:
     number = rng.randint(0, 99)
     return [f"count {number}", f"again {number}"]
 
 
-_KINDS = ((_sequence, 0.55), (_path, 0.2), (_lookup, 0.15), (_number, 0.1))
+_KINDS = ((_sequence, 0.4), (_path, 0.2), (_lookup, 0.1), (_listing, 0.2), (_number, 0.1))
 # The first documents: long lists only. In the mix above a 128-token document holds ~15 short groups
 # over 16 recurring words, and no copy circuit forms within 250 steps (masked loss ~1.0, copied-word
 # accuracy at chance 1/16); two 10-30-word lists a document form it in ~150 steps, and the mix is

@@ -60,10 +60,15 @@ def test_curriculum_phases_and_loss_only_on_copies(tokenizer):
     copies = [line for s in mixed for line in _lines(tokenizer, s, masked=True)]
     contexts = [line for s in mixed for line in _lines(tokenizer, s, masked=False)]
     heads = {line.split()[0] for line in copies}
-    assert heads <= {"again:", "same", "get", "again"} and {"same", "get"} <= heads
-    assert all(not line.startswith(("again", "same", "get")) for line in contexts)
-    # distractors: some path copies do not follow the line they copy
+    assert heads <= {"again:", "same", "get", "again", "open", "put"}
+    assert {"same", "get", "open", "put"} <= heads
+    assert all(not line.startswith(("again", "same", "get", "open", "put")) for line in contexts)
+    # a listed path, used by the next command
     texts = [tokenizer.decode(np.asarray(s.tokens).tolist()).splitlines() for s in mixed]
+    listed = [(lines[i - 1], line) for lines in texts for i, line in enumerate(lines[1:], 1)
+              if line.startswith("open /app/")]  # fmt: skip
+    assert listed and all(use == "open " + path for path, use in listed if path.startswith("/app/"))
+    # distractors: some path copies do not follow the line they copy
     separated = sum(
         1 for lines in texts for i, line in enumerate(lines[1:], 1)
         if line.startswith("same /app/") and not lines[i - 1].startswith("file ")
