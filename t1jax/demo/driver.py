@@ -9,11 +9,14 @@ real sandboxes, the JAX engine, the learner, the controller and the evaluator, a
     OUT/pretrain/checkpoint       the base: random init + copy-corpus pretraining (or OUT/base/: the
                                   random init alone, base.pretrain_steps: 0)
     OUT/sft/                      demonstrations in real sandboxes -> masked cross-entropy (t1jax sft)
+    OUT/eval/sft-variance/        the SFT policy on a spread of train tasks, sampled as RL samples:
+                                  the share of tasks whose attempts' rewards differ (RL's signal)
     OUT/warmup/                   critic warm-up: t1jax train with the actor held (§4.5)
     OUT/rl/                       RL from the SFT actor and the warmed-up critic (t1jax train);
                                   with --ablation also OUT/warmup-binary/ and OUT/rl-binary/ (only
                                   the reward differs, in the warm-up as in RL)
-    OUT/eval/<ckpt>-<mode>/       t1jax eval on the held-out split, greedy and sampled
+    OUT/eval/<ckpt>-<mode>/       t1jax eval on the held-out split, greedy and sampled (the paper's
+                                  protocol, §6.1: temperature 0.1, top-p 0.95, top-k 20, 3 attempts)
     OUT/<campaign>/plots/*.png    training curves and evaluation bars (t1jax.report.curves)
     OUT/summary.{json,md}         the table, the verdicts, the SFT reward-variance share, seconds
     OUT/logs/<stage>.log          each stage's own output (logs/seconds.json: time per stage)
@@ -75,18 +78,32 @@ class SftStage:
 
 @dataclass(frozen=True)
 class EvalStage:
+    """The held-out evaluation of every checkpoint: greedy, and sampled with the paper's protocol
+    (§6.1: temperature 0.1, top-p 0.95, top-k 20, 3 attempts), which is what Table 1 reports."""
+
     concurrency: int = 8
     greedy: bool = True
     sampled_attempts: int = 3
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float = 0.1
+    top_p: float = 0.95
+    top_k: int = 20
     max_turns: int = 8
     max_tokens_per_turn: int = 96
     context_window: int = 1024
     terminal: str = "exec"  # as the SFT demonstrations and the RL harness
     prompt_profile: str = "compact"
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class VarianceStage:
+    """What the SFT policy leaves RL to learn from, checked before any RL time is spent: `attempts`
+    rollouts of each of `tasks` train tasks (spread over the split) sampled as the RL run samples
+    (its `sampling` section). A task whose attempts all score the same gives PPO nothing to prefer.
+    `tasks: 0` skips the check."""
+
+    tasks: int = 32
+    attempts: int = 4
 
 
 @dataclass(frozen=True)
@@ -97,6 +114,7 @@ class DemoConfig:
     warmup: TrainStage = field(default_factory=TrainStage)
     rl: TrainStage = field(default_factory=TrainStage)
     eval: EvalStage = field(default_factory=EvalStage)
+    variance: VarianceStage = field(default_factory=VarianceStage)
 
 
 def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
@@ -109,7 +127,7 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
     if unknown:
         raise ConfigError(f"{path}: {unknown[0]}: unknown section (known: {', '.join(known)})")
     hints = {"tasks": TasksStage, "base": BaseStage, "sft": SftStage, "warmup": TrainStage, "rl": TrainStage,
-             "eval": EvalStage}  # fmt: skip
+             "eval": EvalStage, "variance": VarianceStage}  # fmt: skip
     sections = {name: section_from_dict(hints[name], raw.get(name), name) for name in hints}
     return DemoConfig(**sections), path.resolve().parent
 
@@ -196,6 +214,10 @@ class Demo:
                   out / "sft" / "checkpoint" / "config.json", workdir=out / "sft"),
         ]  # fmt: skip
         sft = out / "sft" / "checkpoint"
+        if c.variance.tasks > 0:
+            job = self.eval_dir / "sft-variance"
+            stages.append(Stage("sft reward variance", self._variance_command(sft, job), job / "result.json",
+                                workdir=job))  # fmt: skip
         # Each campaign warms its critic up with its own reward: a critic fitted to the test-count
         # return (~0.06 here) under a binary reward that is ~always 0 makes every advantage
         # negative, and the ablation would measure the mismatch, not the reward.
@@ -258,9 +280,24 @@ class Demo:
             command += ["--set", f"{key}={json.dumps(value)}"]
         return command
 
-    def _eval_command(self, checkpoint: Path, job: Path, mode: str) -> list[str]:
+    def _variance_command(self, checkpoint: Path, job: Path) -> list[str]:
+        """`t1jax eval` of the SFT policy on a spread of train tasks, sampled as RL samples."""
+        from t1jax.controller.config import load_run_config
+
+        sampling = load_run_config(self.path(self.config.rl.config)).sampling
+        v = self.config.variance
+        command = self._eval_command(checkpoint, job, "sampled", tasks=self.out / "tasks" / "train")
+        command = command[: command.index("--attempts")]
+        return [*command, "--task-sample", str(v.tasks), "--attempts", str(v.attempts),
+                "--temperature", str(sampling.temperature), "--top-p", str(sampling.top_p),
+                "--top-k", str(sampling.top_k)]  # fmt: skip
+
+    def _eval_command(
+        self, checkpoint: Path, job: Path, mode: str, *, tasks: Path | None = None
+    ) -> list[str]:
         e = self.config.eval
-        command = [sys.executable, "-m", "t1jax.cli", "eval", "--tasks", str(self.out / "tasks" / "heldout"),
+        tasks = tasks or self.out / "tasks" / "heldout"
+        command = [sys.executable, "-m", "t1jax.cli", "eval", "--tasks", str(tasks),
                    "--checkpoint", str(checkpoint), "--out", str(job), "--concurrency", str(e.concurrency),
                    "--max-turns", str(e.max_turns), "--no-progress",
                    "--context-window", str(e.context_window),
@@ -416,13 +453,11 @@ class Demo:
         return {s.name: recorded[s.name] for s in stages if s.name in recorded}
 
     def _reward_variance(self) -> dict[str, Any] | None:
-        """What the SFT policy leaves RL to learn from, measured on its sampled held-out
-        evaluation (several attempts per task at the training temperature): the share of tasks
-        whose attempts' test-count rewards differ, and whose resolved outcomes differ. A task all
-        of whose attempts score the same gives no signal to prefer one behaviour over another."""
+        """What the SFT policy leaves RL to learn from (`VarianceStage`): the share of the sampled
+        train tasks whose attempts' test-count rewards differ, and whose resolved outcomes differ."""
         from t1jax.eval.job import per_task
 
-        job = self.eval_dir / "sft-sampled"
+        job = self.eval_dir / "sft-variance"
         if not (job / "result.json").is_file():
             return None
         rewards, resolved = per_task(job, "test_count_reward"), per_task(job, "resolved")
@@ -490,8 +525,9 @@ def render_markdown(summary: dict[str, Any]) -> str:
     variance = summary.get("sft_reward_variance")
     if variance:
         lines.append(
-            f"- SFT policy, sampled held-out ({variance['tasks']} tasks x {variance['attempts_per_task']} "
-            f"attempts): reward varies within {variance['reward_varies']:.0%} of tasks, resolved within "
+            f"- SFT policy sampled as RL samples ({variance['tasks']} train tasks x "
+            f"{variance['attempts_per_task']} attempts): reward varies within "
+            f"{variance['reward_varies']:.0%} of tasks, resolved within "
             f"{variance['resolved_varies']:.0%}"
         )
     lines.append("")

@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--agent", choices=("model", "oracle", "nop"), default="model")
     parser.add_argument("--attempts", type=int, default=3, help="trials per task (pass@k up to this k)")
+    parser.add_argument(
+        "--task-sample", type=int, default=None, metavar="N",
+        help="evaluate only N of the tasks, spread evenly over them in task-id order",
+    )  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=8, help="trials at once (sampler slots too)")
     parser.add_argument("--out", type=Path, default=None, help="job directory (default: jobs/eval-<digest>)")
     decoding = parser.add_argument_group("decoding (paper §6.1 defaults)")
@@ -75,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.concurrency < 1:
         raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.task_sample is not None and args.task_sample < 1:
+        raise UsageError(f"--task-sample must be >= 1, got {args.task_sample}")
     if not args.tasks.is_dir():
         raise UsageError(f"--tasks {args.tasks} is not a directory")
     if args.agent == "model" and not args.checkpoint:
@@ -96,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         agent_timeout_sec=args.agent_timeout,
         terminal=args.terminal,
         prompt_profile=args.prompt_profile,
+        task_sample=args.task_sample,
     )
     return evaluate(settings, args)
 
@@ -106,7 +113,7 @@ def evaluate(settings, args: argparse.Namespace) -> int:
 
     from sandbox_service.tasks import load_dataset
     from t1jax.cli import UsageError
-    from t1jax.eval.job import EvalJob
+    from t1jax.eval.job import EvalJob, sample_tasks
     from t1jax.runtime.scheduler import TrialScheduler
 
     dataset = load_dataset(settings.tasks_dir)
@@ -116,7 +123,7 @@ def evaluate(settings, args: argparse.Namespace) -> int:
     with agent:
         settings = dataclasses.replace(settings, context_window=agent.context_window)
         job_dir = args.out or default_job_dir(settings.to_json())
-        job = EvalJob(job_dir, settings, dataset.tasks, dataset.errors)
+        job = EvalJob(job_dir, settings, sample_tasks(dataset.tasks, settings.task_sample), dataset.errors)
         for spec in job.specs:
             agent.register(spec)
         run_id = "eval-" + hashlib.sha256(str(Path(job_dir).resolve()).encode()).hexdigest()[:12]

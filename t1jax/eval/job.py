@@ -75,6 +75,8 @@ class EvalSettings:
     terminal: str = "tmux"
     prompt_profile: str = "full"  # the harness's system prompt (t1jax.agent.prompts.PROMPT_PROFILES)
     reward_scale: float = 20.0  # S of Eq. 20, for the reported test-count reward
+    # Evaluate only this many of the directory's tasks, spread evenly over them (`sample_tasks`).
+    task_sample: int | None = None
 
     def __post_init__(self) -> None:
         if self.agent not in ("model", "oracle", "nop"):
@@ -83,6 +85,8 @@ class EvalSettings:
             raise ValueError("--agent model needs --checkpoint (an HF directory or a run's checkpoint)")
         if self.attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {self.attempts}")
+        if self.task_sample is not None and self.task_sample < 1:
+            raise ValueError(f"task sample must be >= 1, got {self.task_sample}")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError(
                 f"sampling out of range: temperature {self.temperature} (>= 0), top_p {self.top_p} "
@@ -98,7 +102,20 @@ class EvalSettings:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        settings = dataclasses.asdict(self)
+        if settings["task_sample"] is None:  # a job of every task reads as before this field
+            del settings["task_sample"]
+        return settings
+
+
+def sample_tasks(tasks: Sequence[Task], count: int | None) -> list[Task]:
+    """`count` of `tasks` spread evenly over them in task-id order (all of them for None or a
+    count >= their number): deterministic, and it spans a generated suite's template families,
+    whose tasks sit together in id order."""
+    ordered = sorted(tasks, key=lambda task: task.task_id)
+    if count is None or count >= len(ordered):
+        return ordered
+    return [ordered[(index * len(ordered)) // count] for index in range(count)]
 
 
 def trial_name(task: Task, attempt: int) -> str:

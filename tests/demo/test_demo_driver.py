@@ -48,6 +48,7 @@ def _tiny_demo(tmp_path: Path) -> Path:
         "rl": {"config": str(DEMO_CONFIGS / "rl.yaml"), "overrides": TRAIN_OVERRIDES},
         "eval": {"concurrency": 2, "greedy": False, "sampled_attempts": 1, "max_turns": 2,
                  "max_tokens_per_turn": 16},
+        "variance": {"tasks": 2, "attempts": 2},
     }  # fmt: skip
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(demo))
@@ -82,6 +83,7 @@ def test_demo_runs_every_stage_and_resumes(tmp_path):
         "tasks",
         "base",
         "sft",
+        "sft reward variance",
         "warmup",
         "rl",
         "eval base sampled",
@@ -99,6 +101,8 @@ def test_demo_runs_every_stage_and_resumes(tmp_path):
     assert rl["harness"]["prompt_profile"] == "compact"  # the prompt SFT trained on
     assert (out / "summary.md").read_text().startswith("| checkpoint |")
     assert summary["plots"] and all(Path(p).is_file() for p in summary["plots"])
+    variance = summary["sft_reward_variance"]
+    assert variance["tasks"] == 2 and variance["attempts_per_task"] == 2
 
     again = _demo(config, out)
     assert again.returncode == first.returncode, again.stderr[-3000:]
@@ -176,7 +180,8 @@ def test_the_ablation_differs_only_in_reward_warm_up_included(tmp_path):
     demo = Demo(config, base_dir, tmp_path, ablation=True)
     stages = {s.name: s.command for s in demo.stages()}
     assert [n for n in stages if not n.startswith("eval")] == [
-        "tasks", "base", "sft", "warmup", "warmup-binary", "rl", "rl-binary"]  # fmt: skip
+        "tasks", "base", "sft", "sft reward variance", "warmup", "warmup-binary", "rl",
+        "rl-binary"]  # fmt: skip
 
     def extra(name):  # the --set overrides beyond what every campaign gets
         command = stages[name]
@@ -188,3 +193,35 @@ def test_the_ablation_differs_only_in_reward_warm_up_included(tmp_path):
     assert f"model.critic_checkpoint={tmp_path / 'warmup-binary'}" in stages["rl-binary"]
     assert f"model.critic_checkpoint={tmp_path / 'warmup'}" in stages["rl"]
     assert not any("critic_checkpoint" in part for part in stages["warmup-binary"])
+
+
+def test_reward_variance_is_measured_on_train_tasks_as_rl_samples(tmp_path):
+    """The check before RL samples the SFT policy on the train split with the RL run's own
+    sampling (temperature 1, no filters); the held-out evaluation samples with the paper's
+    protocol (temperature 0.1, top-p 0.95, top-k 20, 3 attempts)."""
+    from t1jax.controller.config import load_run_config
+    from t1jax.demo.driver import Demo
+
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    stages = {s.name: s.command for s in Demo(config, base_dir, tmp_path).stages()}
+    names = list(stages)
+    assert names.index("sft") < names.index("sft reward variance") < names.index("warmup")
+    command = stages["sft reward variance"]
+
+    def flag(command, name):
+        return command[command.index(name) + 1]
+
+    sampling = load_run_config(DEMO_CONFIGS / "rl.yaml").sampling
+    assert flag(command, "--tasks") == str(tmp_path / "tasks" / "train")
+    assert flag(command, "--checkpoint") == str(tmp_path / "sft" / "checkpoint")
+    assert int(flag(command, "--task-sample")) == config.variance.tasks
+    assert int(flag(command, "--attempts")) == config.variance.attempts
+    assert command.count("--attempts") == 1
+    assert float(flag(command, "--temperature")) == sampling.temperature == 1.0
+    assert float(flag(command, "--top-p")) == sampling.top_p
+    assert int(flag(command, "--top-k")) == sampling.top_k
+    held_out = stages["eval sft sampled"]
+    assert flag(held_out, "--tasks") == str(tmp_path / "tasks" / "heldout")
+    protocol = [float(flag(held_out, "--temperature")), float(flag(held_out, "--top-p")),
+                int(flag(held_out, "--top-k")), int(flag(held_out, "--attempts"))]  # fmt: skip
+    assert protocol == [0.1, 0.95, 20, 3]

@@ -77,6 +77,28 @@ def test_oracle_resolves_every_task_and_nop_none(tmp_path):
     assert oracle["n_unfaithful_tasks"] == N_TASKS
 
 
+def test_a_task_sample_spreads_over_the_tasks_in_id_order():
+    from types import SimpleNamespace
+
+    from t1jax.eval.job import EvalSettings, sample_tasks
+
+    tasks = [SimpleNamespace(task_id=f"suite/train-f{i // 10}-{i % 10:04d}") for i in reversed(range(40))]
+    picked = [t.task_id for t in sample_tasks(tasks, 4)]
+    assert picked == [f"suite/train-f{family}-0000" for family in range(4)]  # one per family
+    assert sample_tasks(tasks, 4) == sample_tasks(list(reversed(tasks)), 4)  # order of discovery
+    assert [t.task_id for t in sample_tasks(tasks, None)] == sorted(t.task_id for t in tasks)
+    assert len(sample_tasks(tasks, 100)) == 40
+    # A job of every task keeps the settings it had before the field existed (it resumes).
+    assert "task_sample" not in EvalSettings(tasks_dir="x", agent="nop").to_json()
+    assert EvalSettings(tasks_dir="x", agent="nop", task_sample=3).to_json()["task_sample"] == 3
+
+
+@pytest.mark.sandbox
+def test_a_task_sample_evaluates_only_those_tasks(tmp_path):
+    result = run_eval(tmp_path, "--agent", "nop", "--attempts", "1", "--task-sample", "2")
+    assert result["n_tasks"] == 2 and result["n_total_trials"] == 2
+
+
 @pytest.mark.sandbox
 def test_a_task_the_backend_cannot_run_is_skipped_before_any_sandbox(tmp_path):
     """A task asking for a GPU: the audit says the backend cannot run it; the job lists it as
@@ -154,8 +176,10 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys):
     assert main(["eval", "--tasks", str(TASKS)]) == 2  # the model agent without a checkpoint
     assert main(["eval", "--tasks", str(TASKS), "--checkpoint", str(tmp_path / "nowhere")]) == 2
     assert main(["eval", "--tasks", str(TASKS), "--agent", "nop", "--top-p", "0"]) == 2
+    assert main(["eval", "--tasks", str(TASKS), "--agent", "nop", "--task-sample", "0"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 4 and all(line.startswith("t1jax eval: error: ") for line in errors), errors
+    assert "--task-sample must be >= 1" in errors[-1]
+    assert len(errors) == 5 and all(line.startswith("t1jax eval: error: ") for line in errors), errors
     assert "not a directory" in errors[0] and "--checkpoint" in errors[1] and "does not exist" in errors[2]
     # A job directory started with other settings is refused, not mixed.
     run_eval(tmp_path / "a", "--agent", "nop", "--attempts", "1")
