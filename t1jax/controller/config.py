@@ -168,7 +168,11 @@ class HarnessSection:
 @dataclass(frozen=True)
 class SamplingSection:
     """Training rollouts sample the policy as it is (temperature 1, no filters), so the
-    behaviour policy's processed log-probs are the model's own."""
+    behaviour policy's processed log-probs are the model's own. Another `temperature` makes the
+    policy PPO optimises softmax(logits / temperature): the run passes it to the learner
+    (`rl.ppo.temperature`), which scores samples by the same numbers. top-p / top-k stay off in a
+    training run: the learner scores the whole vocabulary, so a truncated distribution would
+    make every ratio wrong."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -254,6 +258,19 @@ class RunConfig:
     partial_rollouts: PartialRolloutsSection = field(default_factory=PartialRolloutsSection)
     launch: Any = None  # t1jax.launch.LaunchParams, or None (no deployment described)
 
+    def __post_init__(self) -> None:
+        # One knob: the learner scores the distribution the rollouts sample (SamplingSection), so
+        # `rl.ppo.temperature` follows `sampling.temperature`; set apart from it, it is an error.
+        sampled, scored = self.sampling.temperature, self.rl.ppo.temperature
+        if scored != 1.0 and scored != sampled:
+            raise ValueError(
+                f"rl.ppo.temperature {scored} differs from sampling.temperature {sampled}; set "
+                f"sampling.temperature only (the learner takes it from there)"
+            )
+        if sampled > 0 and scored != sampled:
+            ppo = dataclasses.replace(self.rl.ppo, temperature=float(sampled))
+            object.__setattr__(self, "rl", dataclasses.replace(self.rl, ppo=ppo))
+
     # ---- checks ------------------------------------------------------------------------------
 
     def check(self, *, base_dir: Path | None = None) -> None:
@@ -316,6 +333,12 @@ class RunConfig:
         need(schedule.batch_size <= schedule.launch_size, "schedule.batch_size",
              f"{schedule.batch_size} admitted cannot exceed the {schedule.launch_size} launched "
              "(schedule.launch_size)")  # fmt: skip
+        sampling = self.sampling
+        need(sampling.temperature > 0, "sampling.temperature",
+             f"must be > 0 (a greedy rollout has no distribution to optimise), got {sampling.temperature}")
+        need(sampling.top_p == 1.0 and sampling.top_k == 0, "sampling.top_p",
+             f"training rollouts need top_p 1 and top_k 0 (the learner scores the whole vocabulary), "
+             f"got top_p {sampling.top_p}, top_k {sampling.top_k}")  # fmt: skip
         harness = self.harness
         need(
             harness.terminal in ("tmux", "exec"),
@@ -553,7 +576,10 @@ def run_config_from_dict(raw: Mapping[str, Any], *, source: str = "<dict>") -> R
             sections[name] = None if value is None else _launch_from_dict(value)
         else:
             sections[name] = section_from_dict(hints[name], value, name)
-    return RunConfig(**sections)
+    try:
+        return RunConfig(**sections)
+    except ValueError as error:
+        raise ConfigError(f"{source}: {error}") from error
 
 
 def _launch_from_dict(value: Any):

@@ -374,20 +374,23 @@ class Qwen35MoeForCausalLM(nnx.Module):
         return CausalLMOutput(logits=self._logits(out.hidden_states), routing=out.routing)
 
     def target_logprobs(
-        self, input_ids, target_ids, *, segment_ids=None, positions=None, routing_replay=None
+        self, input_ids, target_ids, *, segment_ids=None, positions=None, routing_replay=None,
+        temperature: float = 1.0,
     ) -> TargetLogprobs:
         """The training forward reduced to log p(target_ids[b, t] | input_ids[b, :t + 1]), float32
         [B, T] (garbage where a target is not a token of the vocabulary, e.g. on padding), with
-        the head applied in strided chunks of about `execution.logits_chunk` positions."""
+        the head applied in strided chunks of about `execution.logits_chunk` positions; p is
+        softmax(logits / `temperature`) (a Python float: the distribution a sampler draws from
+        at that temperature with no top-p / top-k)."""
         out = self.model(
             input_ids, segment_ids=segment_ids, positions=positions, routing_replay=routing_replay
         )
         target_ids = _check_same_shape("target_ids", target_ids, out.hidden_states.shape[:2])
         with jax.named_scope("lm_head"):
-            logprobs = self._chunked_logprobs(out.hidden_states, target_ids)
+            logprobs = self._chunked_logprobs(out.hidden_states, target_ids, temperature)
         return TargetLogprobs(logprobs=logprobs, routing=out.routing)
 
-    def _chunked_logprobs(self, hidden: jax.Array, target_ids: jax.Array) -> jax.Array:
+    def _chunked_logprobs(self, hidden: jax.Array, target_ids: jax.Array, temperature: float) -> jax.Array:
         return chunked_target_logprobs(
             hidden.astype(self.dtype),
             self._head_kernel(),
@@ -395,6 +398,7 @@ class Qwen35MoeForCausalLM(nnx.Module):
             num_chunks=num_chunks_for(target_ids.shape[1], self.execution.logits_chunk),
             constrain_logits=lambda x: constrain(x, (ACT_BATCH, ACT_LENGTH, ACT_VOCAB)),
             constrain_kernel=lambda x: constrain(x, (EMBED, VOCAB)),
+            temperature=temperature,
         )
 
     def init_cache(self, batch_size: int, max_len: int) -> DecodeCache:

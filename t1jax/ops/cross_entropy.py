@@ -62,8 +62,10 @@ def _from_chunks(x):
     return jnp.moveaxis(x, 0, 2).reshape((batch, per * n) + x.shape[3:])
 
 
-def _chunk_logits(h, kernel, constrain_logits):
+def _chunk_logits(h, kernel, constrain_logits, temperature):
     logits = jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32)
+    if temperature != 1.0:  # the default program stays exactly the untempered one
+        logits = logits / temperature
     return constrain_logits(logits)
 
 
@@ -80,10 +82,17 @@ def chunked_target_logprobs(
     num_chunks: int,
     constrain_logits: Callable | None = None,
     constrain_kernel: Callable | None = None,
+    temperature: float = 1.0,
 ) -> jax.Array:
     """hidden [B, T, H] (compute dtype), kernel [H, V] (same dtype), target_ids int [B, T] ->
     float32 [B, T]. T must be a multiple of ``num_chunks``. A target id outside [0, V) yields
-    -log-sum-exp (its logit counts as 0): give padding positions any id and mask them later."""
+    -log-sum-exp (its logit counts as 0): give padding positions any id and mask them later.
+
+    ``temperature`` (a Python float > 0): log-probabilities of softmax(logits / temperature), the
+    float32 logits divided as the sampler divides them (``t1jax.rollout.sampling``), so a policy
+    sampled at that temperature is scored by the same numbers."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     if hidden.ndim != 3 or kernel.ndim != 2 or hidden.shape[-1] != kernel.shape[0]:
         raise ValueError(f"hidden [B, T, H] and kernel [H, V] expected, got {hidden.shape}, {kernel.shape}")
     if target_ids.shape != hidden.shape[:2]:
@@ -97,13 +106,14 @@ def chunked_target_logprobs(
         num_chunks,
         constrain_logits or _identity,
         constrain_kernel or _identity,
+        float(temperature),
     )
 
 
-def _forward(hidden, kernel, target_ids, num_chunks, constrain_logits):
+def _forward(hidden, kernel, target_ids, num_chunks, constrain_logits, temperature):
     def chunk(_, xs):
         h, targets = xs
-        logits = _chunk_logits(h, kernel, constrain_logits)
+        logits = _chunk_logits(h, kernel, constrain_logits, temperature)
         lse = jax.nn.logsumexp(logits, axis=-1)
         target = jnp.sum(jnp.where(_target_mask(logits, targets), logits, 0.0), axis=-1)
         return None, (target - lse, lse)
@@ -114,25 +124,27 @@ def _forward(hidden, kernel, target_ids, num_chunks, constrain_logits):
     return _from_chunks(logprobs), _from_chunks(lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _logprobs(hidden, kernel, target_ids, num_chunks, constrain_logits, constrain_kernel):
-    return _forward(hidden, kernel, target_ids, num_chunks, constrain_logits)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _logprobs(hidden, kernel, target_ids, num_chunks, constrain_logits, constrain_kernel, temperature):
+    return _forward(hidden, kernel, target_ids, num_chunks, constrain_logits, temperature)[0]
 
 
-def _logprobs_fwd(hidden, kernel, target_ids, num_chunks, constrain_logits, constrain_kernel):
-    logprobs, lse = _forward(hidden, kernel, target_ids, num_chunks, constrain_logits)
+def _logprobs_fwd(hidden, kernel, target_ids, num_chunks, constrain_logits, constrain_kernel, temperature):
+    logprobs, lse = _forward(hidden, kernel, target_ids, num_chunks, constrain_logits, temperature)
     return logprobs, (hidden, kernel, target_ids, lse)
 
 
-def _logprobs_bwd(num_chunks, constrain_logits, constrain_kernel, residuals, grad):
+def _logprobs_bwd(num_chunks, constrain_logits, constrain_kernel, temperature, residuals, grad):
     hidden, kernel, target_ids, lse = residuals
     compute = hidden.dtype
 
     def chunk(d_kernel, xs):
         h, targets, lse_c, g = xs
-        logits = _chunk_logits(h, kernel, constrain_logits)
+        logits = _chunk_logits(h, kernel, constrain_logits, temperature)
         probs = jnp.exp(logits - lse_c[..., None])
         d_logits = g[..., None] * (_target_mask(logits, targets).astype(jnp.float32) - probs)
+        if temperature != 1.0:  # d(logits / t) = d(logits) / t
+            d_logits = d_logits / temperature
         d_logits = constrain_logits(d_logits).astype(compute)
         d_h = jnp.einsum("btv,dv->btd", d_logits, kernel, preferred_element_type=jnp.float32)
         d_kernel = d_kernel + jnp.einsum("btd,btv->dv", h, d_logits, preferred_element_type=jnp.float32)

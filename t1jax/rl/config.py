@@ -47,6 +47,10 @@ class PPOConfig:
     `routing_replay` replays the sample's routing in the actor's passes (Eq. 26, 27); turn it off
     only for dense models or ablations.
 
+    `temperature` is the policy's: PPO scores and optimises softmax(logits / temperature), the
+    distribution rollouts sampled (a training run sets it from its `sampling.temperature`, whose
+    top-p / top-k must be off); the default 1 is the model's own distribution (paper §4.1).
+
     `behaviour_policy` picks the weights of the ratio's denominator (Eq. 26, App. 12.2):
     `sample_version` (default) recomputes it with the actor version that generated the batch
     (the samples' `policy_version`; under one-step asynchrony that is the version before the
@@ -63,8 +67,11 @@ class PPOConfig:
     routing_replay: bool = True
     behaviour_policy: str = "sample_version"
     retained_versions: int = 2
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"ppo.temperature must be > 0, got {self.temperature}")
         if self.behaviour_policy not in ("sample_version", "current"):
             raise ValueError(
                 f"ppo.behaviour_policy must be 'sample_version' or 'current', got {self.behaviour_policy!r}"

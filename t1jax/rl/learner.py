@@ -101,20 +101,25 @@ class StalenessError(RuntimeError):
 # The two model calls: everything model-specific the learner relies on.
 
 
-def policy_logprobs(model: nnx.Module, batch: TrainBatch, *, replay_routing: bool) -> jax.Array:
-    """log pi(target_ids | prefix) per row, float32[B, T]. With `replay_routing` every MoE layer
-    takes its expert selection from `batch.routing` and only the gates come from the live router
-    scores (Eq. 12, Eq. 27); otherwise the model routes by its own top-k. The model's
-    `target_logprobs` applies the LM head in chunks, so no [B, T, vocab] logits exist in any
-    learner program (`t1jax.ops.cross_entropy`)."""
+def policy_logprobs(
+    model: nnx.Module, batch: TrainBatch, *, replay_routing: bool, temperature: float = 1.0
+) -> jax.Array:
+    """log pi(target_ids | prefix) per row, float32[B, T], pi = softmax(logits / `temperature`)
+    (the policy rollouts sampled, `ppo.temperature`; SFT fits the model's own distribution, 1).
+    With `replay_routing` every MoE layer takes its expert selection from `batch.routing` and only
+    the gates come from the live router scores (Eq. 12, Eq. 27); otherwise the model routes by its
+    own top-k. The model's `target_logprobs` applies the LM head in chunks, so no [B, T, vocab]
+    logits exist in any learner program (`t1jax.ops.cross_entropy`)."""
     if replay_routing and batch.routing is None:
         raise ValueError("routing replay requested but the batch carries no routing records")
+    kwargs = {} if temperature == 1.0 else {"temperature": temperature}  # any actor with the API
     out = model.target_logprobs(
         batch.input_ids,
         batch.target_ids,
         segment_ids=batch.segment_ids,
         positions=batch.positions,
         routing_replay=batch.routing if replay_routing else None,
+        **kwargs,
     )
     return out.logprobs
 
@@ -176,6 +181,7 @@ class _Programs:
         critic_optimizer: OptimizerConfig,
         mesh: Mesh | None,
         plan: ShardingPlan | None = None,
+        temperature: float = 1.0,
     ):
         self.actor_optimizer = make_optimizer(actor_optimizer)
         self.critic_optimizer = make_optimizer(critic_optimizer)
@@ -247,13 +253,19 @@ class _Programs:
 
         def logprobs(params, rest, batch, replay):
             return planned(
-                batch, lambda b: policy_logprobs(actor_model(params, rest), b, replay_routing=replay)
+                batch,
+                lambda b: policy_logprobs(
+                    actor_model(params, rest), b, replay_routing=replay, temperature=temperature
+                ),
             )
 
         def actor_grad(params, rest, batch, old_logprobs, advantages_, num_loss_tokens, replay):
             def objective(p):
                 new_logprobs = planned(
-                    batch, lambda b: policy_logprobs(actor_model(p, rest), b, replay_routing=replay)
+                    batch,
+                    lambda b: policy_logprobs(
+                        actor_model(p, rest), b, replay_routing=replay, temperature=temperature
+                    ),
                 )
                 loss, aux = policy_loss(
                     new_logprobs,
@@ -362,6 +374,7 @@ def learner_programs(
         config.critic_optimizer,
         mesh,
         plan,
+        config.ppo.temperature,
     )
 
 

@@ -69,12 +69,25 @@ def write(tmp_path, **sections) -> Path:
         ({"trainer__mesh": {"fsdp": 4, "expert": 2}}, "trainer.mesh: axis sizes"),
         ({"rl": {"ppo": {"clip": 0.3}}}, "unknown key(s) ['clip'] in section 'ppo'"),
         ({"sandboxes__backend": "docker-swarm"}, "sandboxes.backend: unknown backend 'docker-swarm'"),
+        ({"sampling__top_p": 0.9}, "sampling.top_p: training rollouts need top_p 1 and top_k 0"),
+        ({"sampling__temperature": 0.0}, "sampling.temperature: must be > 0"),
+        ({"rl": {"ppo": {"temperature": 0.5}}}, "rl.ppo.temperature 0.5 differs from sampling.temperature"),
     ],
 )
 def test_a_bad_config_names_the_key(tmp_path, change, message):
     with pytest.raises(ConfigError) as raised:
         load_run_config(write(tmp_path, **change))
     assert message in str(raised.value)
+
+
+def test_the_learner_scores_the_temperature_rollouts_sample_at(tmp_path):
+    config = load_run_config(write(tmp_path, sampling={"temperature": 0.6}))
+    assert config.rl.ppo.temperature == 0.6 == config.sampling.temperature
+    assert load_run_config(write(tmp_path)).rl.ppo.temperature == 1.0
+    both = {"temperature": 0.6}
+    assert load_run_config(write(tmp_path, sampling=both, rl={"ppo": both})).rl.ppo.temperature == 0.6
+    # The run directory's copy (rl.ppo.temperature written out) reads back as the same config.
+    assert run_config_from_dict(yaml.safe_load(yaml.safe_dump(config.resolved()))) == config
 
 
 def test_impossible_device_splits_fail_before_any_device_work(tmp_path):

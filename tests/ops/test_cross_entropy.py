@@ -18,8 +18,9 @@ from t1jax.parallel.rules import DEFAULT_RULES, make_mesh
 BATCH, LENGTH, HIDDEN, VOCAB_SIZE = 4, 96, 32, 500
 
 
-def unchunked(hidden, kernel, targets):
+def unchunked(hidden, kernel, targets, temperature=1.0):
     logits = jnp.einsum("btd,dv->btv", hidden, kernel, preferred_element_type=jnp.float32)
+    logits = logits / temperature
     return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
 
 
@@ -54,6 +55,34 @@ def test_values_and_gradients_equal_the_unchunked_path(case, num_chunks):
     assert float(value) == pytest.approx(float(want_value), rel=1e-6)
     for got, want in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.max(np.abs(want))))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.7])
+def test_a_temperature_scores_softmax_of_logits_over_it(case, temperature):
+    """Values and gradients of log softmax(logits / t) against autodiff of the unchunked path,
+    and the values against the sampler's own processed distribution (top-p / top-k off)."""
+    from t1jax.rollout.sampling import processed_log_distribution
+
+    hidden, kernel, targets, weights = case
+    chunked = lambda h, w, t: chunked_target_logprobs(h, w, t, num_chunks=8, temperature=temperature)
+    tempered = lambda h, w, t: unchunked(h, w, t, temperature)
+    got = jax.jit(chunked)(hidden, kernel, targets)
+    np.testing.assert_allclose(got, tempered(hidden, kernel, targets), rtol=1e-6, atol=1e-6)
+    logits = jnp.einsum("btd,dv->btv", hidden, kernel, preferred_element_type=jnp.float32)
+    sampler = processed_log_distribution(logits, temperature, 0, 1.0)
+    np.testing.assert_allclose(
+        got, jnp.take_along_axis(sampler, targets[..., None], axis=-1)[..., 0], rtol=1e-6, atol=1e-6
+    )
+    assert not np.allclose(got, unchunked(hidden, kernel, targets), atol=1e-3)  # it is not t = 1
+    (value, grads), (want_value, want_grads) = (
+        loss_and_grads(chunked, *case),
+        loss_and_grads(tempered, *case),
+    )
+    assert float(value) == pytest.approx(float(want_value), rel=1e-6)
+    for got_grad, want in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got_grad, want, rtol=0, atol=1e-5 * float(np.max(np.abs(want))))
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        chunked_target_logprobs(hidden, kernel, targets, num_chunks=1, temperature=0.0)
 
 
 def test_no_full_logit_tensor_in_the_compiled_gradient(case):

@@ -141,3 +141,55 @@ def test_agent_length_contexts_match_the_trainer(policy, prompt_rng):
     gaps = f"raw {worst_raw:.3g}, processed {worst_processed:.3g}"
     print(f"\nmax |sampler - trainer| logprob at agent lengths: {gaps}")
     assert worst_raw < LOGPROB_TOLERANCE and worst_processed < LOGPROB_TOLERANCE
+
+
+def test_the_learner_scores_a_tempered_rollout_as_the_sampler_did(engine, policy, prompt_rng):
+    """Rollouts sampled at temperature 0.7 (no top-p / top-k), scored by the learner with
+    `ppo.temperature` 0.7: the ratio's denominator is the sampler's processed log-prob within
+    float32 rounding; scored at temperature 1 instead, every token is off (the mismatch a run
+    would have trained on)."""
+    from t1jax.model import Qwen35MoeCritic
+    from t1jax.rl.batching import BatchingConfig
+    from t1jax.rl.config import PPOConfig, RLConfig
+    from t1jax.rl.learner import Learner
+    from t1jax.tito.types import Sample
+
+    requests = [
+        request(random_prompt(prompt_rng, 20 + 9 * i), max_new_tokens=24, seed=40 + i, temperature=0.7)
+        for i in range(3)
+    ]
+    engine.clear_prefix_cache()
+    results = in_threads(engine, requests)
+    samples = []
+    for index, result in enumerate(results):
+        tokens = np.concatenate([result.prompt_ids, result.completion_ids]).astype(np.int32)
+        prompt, generated = len(result.prompt_ids), len(result.completion_ids)
+        mask = np.zeros(len(tokens), np.int8)
+        mask[prompt:] = 1
+        logprobs = np.zeros(len(tokens), np.float32)
+        logprobs[prompt:] = result.logprobs
+        routing = np.zeros((len(tokens) - 1, *result.routing.shape[1:]), np.int32)
+        routing[: prompt + generated - 1] = result.routing
+        samples.append(Sample(tokens=tokens, loss_mask=mask, sampler_logprobs=logprobs, routing=routing,
+                              reward=0.0, task_id="t", trajectory_id=f"tempered-{index}"))  # fmt: skip
+    critic = Qwen35MoeCritic.from_actor(policy, rngs=nnx.Rngs(1))
+
+    def worst_gap(temperature: float) -> tuple[float, float]:
+        config = RLConfig(
+            ppo=PPOConfig(temperature=temperature),
+            batching=BatchingConfig(row_length_buckets=(PADDED_LEN,), rows_per_micro_batch=4),
+        )
+        learner = Learner(policy, critic, config)
+        batch = learner.prepare(samples)
+        gaps = [
+            np.abs(np.asarray(logprobs) - np.asarray(mb.sampler_logprobs))[np.asarray(mb.action_mask) > 0]
+            for logprobs, mb in zip(learner.logprobs(batch), batch.micro_batches, strict=True)
+        ]
+        return float(np.max(np.concatenate(gaps))), float(np.mean(np.concatenate(gaps)))
+
+    tempered, _ = worst_gap(0.7)
+    _, untempered = worst_gap(1.0)
+    print(f"\nmax |sampler - learner| at the sampling temperature {tempered:.3g}; mean at 1: "
+          f"{untempered:.3g}")  # fmt: skip
+    assert tempered < LOGPROB_TOLERANCE
+    assert untempered > 100 * LOGPROB_TOLERANCE
