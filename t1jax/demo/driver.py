@@ -482,6 +482,8 @@ class Demo:
 
         run = load_run(self.out / name)
         for result in sorted(self.eval_dir.glob("*/result.json")):
+            if result.parent.name == "sft-variance":  # train tasks at the RL temperature: no bar
+                continue
             run.evals[result.parent.name] = json.loads(result.read_text())
         written = []
         (self.out / name / "plots").mkdir(parents=True, exist_ok=True)
