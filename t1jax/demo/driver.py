@@ -286,27 +286,30 @@ class Demo:
 
         sampling = load_run_config(self.path(self.config.rl.config)).sampling
         v = self.config.variance
-        command = self._eval_command(checkpoint, job, "sampled", tasks=self.out / "tasks" / "train")
-        command = command[: command.index("--attempts")]
+        command = self._eval_harness_command(checkpoint, job, self.out / "tasks" / "train")
         return [*command, "--task-sample", str(v.tasks), "--attempts", str(v.attempts),
                 "--temperature", str(sampling.temperature), "--top-p", str(sampling.top_p),
                 "--top-k", str(sampling.top_k)]  # fmt: skip
 
-    def _eval_command(
-        self, checkpoint: Path, job: Path, mode: str, *, tasks: Path | None = None
-    ) -> list[str]:
+    def _eval_command(self, checkpoint: Path, job: Path, mode: str) -> list[str]:
+        """`t1jax eval` of a checkpoint on the held-out split, greedy or sampled (`EvalStage`)."""
         e = self.config.eval
-        tasks = tasks or self.out / "tasks" / "heldout"
+        command = self._eval_harness_command(checkpoint, job, self.out / "tasks" / "heldout")
+        if mode == "greedy":
+            return [*command, "--greedy", "--attempts", "1"]
+        return [*command, "--attempts", str(e.sampled_attempts), "--temperature", str(e.temperature),
+                "--top-p", str(e.top_p), "--top-k", str(e.top_k)]  # fmt: skip
+
+    def _eval_harness_command(self, checkpoint: Path, job: Path, tasks: Path) -> list[str]:
+        """Every eval's common part: the tasks, the checkpoint, the harness the model learnt."""
+        e = self.config.eval
         command = [sys.executable, "-m", "t1jax.cli", "eval", "--tasks", str(tasks),
                    "--checkpoint", str(checkpoint), "--out", str(job), "--concurrency", str(e.concurrency),
                    "--max-turns", str(e.max_turns), "--no-progress",
                    "--context-window", str(e.context_window),
                    "--max-tokens-per-turn", str(e.max_tokens_per_turn), "--terminal", e.terminal,
                    "--prompt-profile", e.prompt_profile, "--seed", str(e.seed + self.seed)]  # fmt: skip
-        if mode == "greedy":
-            return [*command, "--greedy", "--attempts", "1"]
-        return [*command, "--attempts", str(e.sampled_attempts), "--temperature", str(e.temperature),
-                "--top-p", str(e.top_p), "--top-k", str(e.top_k)]  # fmt: skip
+        return command
 
     def _sft_seed(self) -> list[str]:
         if not self.seed:

@@ -85,11 +85,17 @@ def _path(rng: random.Random) -> list[str]:
     return [f"file {path}", f"same {path}"]
 
 
-def _lookup(rng: random.Random) -> list[str]:
-    keys = rng.sample(SLOT_WORDS, 3)
+def _settings(rng: random.Random, count: int) -> tuple[list[str], str, str]:
+    """`count` distinct keys' `key = value` lines, and one key with its value."""
+    keys = rng.sample(SLOT_WORDS, count)
     values = [rng.choice(SLOT_WORDS) for _ in keys]
     index = rng.randrange(len(keys))
-    return [*(f"{k} = {v}" for k, v in zip(keys, values, strict=True)), f"get {keys[index]}: {values[index]}"]
+    return [f"{k} = {v}" for k, v in zip(keys, values, strict=True)], keys[index], values[index]
+
+
+def _lookup(rng: random.Random) -> list[str]:
+    lines, key, value = _settings(rng, 3)
+    return [*lines, f"get {key}: {value}"]
 
 
 def _listing(rng: random.Random) -> list[str]:
@@ -101,11 +107,8 @@ def _listing(rng: random.Random) -> list[str]:
     if rng.random() < 0.5:
         path = f"/app/{directory}/{rng.choice(SLOT_WORDS)}{rng.choice(SUFFIXES)}"
         return [f"ls -d /app/{directory}/*", path, f"open {path}"]
-    keys = rng.sample(SLOT_WORDS, 2)
-    values = [rng.choice(SLOT_WORDS) for _ in keys]
-    index = rng.randrange(len(keys))
-    return [f"cat /app/{directory}.ini", *(f"{k} = {v}" for k, v in zip(keys, values, strict=True)),
-            f"put {keys[index]} {values[index]}"]  # fmt: skip
+    lines, key, value = _settings(rng, 2)
+    return [f"cat /app/{directory}.ini", *lines, f"put {key} {value}"]
 
 
 def _number(rng: random.Random) -> list[str]:

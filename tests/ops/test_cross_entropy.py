@@ -40,6 +40,13 @@ def loss_and_grads(fn, hidden, kernel, targets, weights):
     )
 
 
+def assert_same_loss_and_grads(fn, reference, case):
+    (value, grads), (want_value, want_grads) = loss_and_grads(fn, *case), loss_and_grads(reference, *case)
+    assert float(value) == pytest.approx(float(want_value), rel=1e-6)
+    for got, want in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.max(np.abs(want))))
+
+
 @pytest.mark.parametrize("num_chunks", [1, 2, 8, 32])
 def test_values_and_gradients_equal_the_unchunked_path(case, num_chunks):
     hidden, kernel, targets, weights = case
@@ -48,13 +55,7 @@ def test_values_and_gradients_equal_the_unchunked_path(case, num_chunks):
         ours(hidden, kernel, targets), unchunked(hidden, kernel, targets), rtol=1e-6, atol=1e-6
     )
     chunked = lambda h, w, t: chunked_target_logprobs(h, w, t, num_chunks=num_chunks)
-    (value, grads), (want_value, want_grads) = (
-        loss_and_grads(chunked, *case),
-        loss_and_grads(unchunked, *case),
-    )
-    assert float(value) == pytest.approx(float(want_value), rel=1e-6)
-    for got, want in zip(grads, want_grads, strict=True):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.max(np.abs(want))))
+    assert_same_loss_and_grads(chunked, unchunked, case)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.7])
@@ -74,13 +75,7 @@ def test_a_temperature_scores_softmax_of_logits_over_it(case, temperature):
         got, jnp.take_along_axis(sampler, targets[..., None], axis=-1)[..., 0], rtol=1e-6, atol=1e-6
     )
     assert not np.allclose(got, unchunked(hidden, kernel, targets), atol=1e-3)  # it is not t = 1
-    (value, grads), (want_value, want_grads) = (
-        loss_and_grads(chunked, *case),
-        loss_and_grads(tempered, *case),
-    )
-    assert float(value) == pytest.approx(float(want_value), rel=1e-6)
-    for got_grad, want in zip(grads, want_grads, strict=True):
-        np.testing.assert_allclose(got_grad, want, rtol=0, atol=1e-5 * float(np.max(np.abs(want))))
+    assert_same_loss_and_grads(chunked, tempered, case)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         chunked_target_logprobs(hidden, kernel, targets, num_chunks=1, temperature=0.0)
 
