@@ -25,6 +25,7 @@ import gzip
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -148,6 +149,8 @@ def _append(path: Path, record: Mapping[str, Any]) -> None:
 
 
 def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    # A temporary file of this writer's own: the liveness thread's "failed" and the main thread's
+    # can land together, and with one shared name the second replace found the file gone.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

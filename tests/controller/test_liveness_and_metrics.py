@@ -123,6 +123,30 @@ def test_selection_bias_is_the_total_variation_between_launched_and_admitted():
     ]
 
 
+def test_status_written_from_two_threads_at_once_stays_whole(tmp_path):
+    """The liveness thread and the main thread both write "failed" when a component hangs."""
+    run = RunDir(tmp_path / "run")
+    run.create({"run": {"name": "x"}})
+    errors, start = [], threading.Barrier(4)
+
+    def write(name):
+        start.wait()
+        try:
+            for index in range(200):
+                run.set_status("failed", writer=name, index=index)
+        except OSError as error:  # a shared temporary file: the other writer's replace took it
+            errors.append(error)
+
+    threads = [threading.Thread(target=write, args=(f"w{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]
+    assert json.loads((run.path / "status.json").read_text())["state"] == "failed"
+    assert [p.name for p in run.path.iterdir() if p.name.endswith(".tmp")] == []
+
+
 def test_a_resumed_run_directory_drops_the_steps_after_its_checkpoint(tmp_path):
     run = RunDir(tmp_path / "run")
     run.create({"run": {"name": "x"}})
