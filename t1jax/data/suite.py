@@ -24,7 +24,8 @@ Each task directory holds, besides the Harbor files, `solution/plan.json`: the s
 inspection commands, actions and the idiom's mistakes and mistake rate, which the demonstrator
 (`t1jax.sft.demonstrator`) reads. The agent never sees `solution/`.
 
-Invariants: the output is a pure function of (n, seed, heldout_fraction, families_per_category)
+Invariants: the output is a pure function of the `SuiteConfig` (n, seed, heldout_fraction,
+heldout_tasks, families_per_category)
 (one `random.Random` per purpose, derived from the seed; files written in a fixed order); task
 ids are unique; no family is in both splits.
 """
@@ -193,13 +194,24 @@ def _allocate(total: int, weights: Mapping[str, float]) -> dict[str, int]:
 
 
 def plan_tasks(
-    families: Sequence[Family], n: int, seed: int, *, heldout_fraction: float = 0.2
+    families: Sequence[Family],
+    n: int,
+    seed: int,
+    *,
+    heldout_fraction: float = 0.2,
+    heldout_tasks: int | None = None,
 ) -> list[SuiteTask]:
-    """`n` tasks: round(n * heldout_fraction) held-out, the rest train; each split's tasks are
-    spread over categories by `CATEGORY_WEIGHTS` and over a category's families in turn."""
+    """`n` tasks: `heldout_tasks` (by default round(n * heldout_fraction)) held-out, the rest
+    train; each split's tasks are spread over categories by `CATEGORY_WEIGHTS` and over a
+    category's families in turn."""
     if n < 2:
         raise ValueError(f"a suite needs at least 2 tasks (one per split), got n = {n}")
-    num_heldout = min(n - 1, max(1, round(n * heldout_fraction)))
+    if heldout_tasks is None:
+        num_heldout = min(n - 1, max(1, round(n * heldout_fraction)))
+    elif 1 <= heldout_tasks <= n - 1:
+        num_heldout = heldout_tasks
+    else:
+        raise ValueError(f"heldout_tasks must lie in [1, n - 1] = [1, {n - 1}], got {heldout_tasks}")
     counts = {"train": n - num_heldout, "heldout": num_heldout}
     tasks: list[SuiteTask] = []
     for split in SPLITS:
@@ -367,10 +379,15 @@ def _write_env_file(environment: Path, env_file: EnvFile) -> None:
 
 @dataclass(frozen=True)
 class SuiteConfig:
+    """What a suite is a function of. `heldout_fraction` is the share of each category's families
+    held out and, unless `heldout_tasks` is set, the share of tasks: setting both measures
+    transfer over more families for the same evaluation cost (fewer tasks per family)."""
+
     n: int
     seed: int
     heldout_fraction: float = 0.2
     families_per_category: int = 12
+    heldout_tasks: int | None = None
 
 
 def generate_suite(
@@ -389,7 +406,13 @@ def generate_suite(
         heldout_fraction=config.heldout_fraction,
     )
     check_split(families)
-    tasks = plan_tasks(families, config.n, config.seed, heldout_fraction=config.heldout_fraction)
+    tasks = plan_tasks(
+        families,
+        config.n,
+        config.seed,
+        heldout_fraction=config.heldout_fraction,
+        heldout_tasks=config.heldout_tasks,
+    )
     staging = out.with_name(f".{out.name}.partial")
     if staging.exists():
         raise FileExistsError(f"{staging} exists (an interrupted generation?); remove it first")

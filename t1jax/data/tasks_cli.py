@@ -25,7 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     generate.add_argument("--n", type=int, required=True, help="number of tasks over both splits")
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument(
-        "--heldout-fraction", type=float, default=0.2, help="share of tasks (and of families) held out"
+        "--heldout-fraction",
+        type=float,
+        default=0.2,
+        help="share of each category's families held out (and of tasks, unless --heldout-tasks)",
+    )
+    generate.add_argument(
+        "--heldout-tasks", type=int, default=None, help="number of held-out tasks (default: the fraction's)"
     )
     generate.add_argument("--families-per-category", type=int, default=12)
     generate.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -40,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             heldout_fraction=args.heldout_fraction,
             families_per_category=args.families_per_category,
+            heldout_tasks=args.heldout_tasks,
         )
         started = time.monotonic()
 

@@ -35,6 +35,7 @@ from t1jax.data.suite import (
     check_split,
     generate_suite,
     make_families,
+    plan_tasks,
     write_task,
 )
 
@@ -104,6 +105,23 @@ def test_split_is_disjoint_by_family_and_held_out_idioms_are_taught(suite):
             assert splits == {"train", "heldout"}, (seed, category)
 
 
+def test_heldout_tasks_sets_the_count_apart_from_the_family_share():
+    """The demo's split: 2 families of 12 per category held out, but only 64 held-out tasks."""
+    families = make_families(0, heldout_fraction=0.2)
+    tasks = plan_tasks(families, 1260, 0, heldout_fraction=0.2, heldout_tasks=64)
+    heldout = [t for t in tasks if t.family.split == "heldout"]
+    assert len(heldout) == 64 and len(tasks) == 1260
+    per_category = collections.Counter(f.category for f in families if f.split == "heldout")
+    assert set(per_category.values()) == {2}, per_category
+    # every held-out family gets tasks (the category's tasks go over its families in turn)
+    assert {t.family.family_id for t in heldout} == {f.family_id for f in families if f.split == "heldout"}
+    # without it, the fraction sets both
+    assert sum(t.family.split == "heldout" for t in plan_tasks(families, 1260, 0, heldout_fraction=0.2)) == 252
+    for bad in (0, 1260):
+        with pytest.raises(ValueError, match="heldout_tasks"):
+            plan_tasks(families, 1260, 0, heldout_tasks=bad)
+
+
 def test_category_mix_follows_the_paper_pool(suite):
     _, manifest = suite
     counts = collections.Counter(t["category"] for t in manifest["tasks"])
@@ -160,6 +178,8 @@ def test_cli_writes_a_suite_and_refuses_bad_input(tmp_path):
     assert tiny.returncode == 2 and "at least 2 tasks" in tiny.stderr and not (tmp_path / "t").exists()
     fraction = cli("--out", str(tmp_path / "u"), "--n", "10", "--heldout-fraction", "1.5")
     assert fraction.returncode == 2 and "heldout_fraction" in fraction.stderr
+    count = cli("--out", str(tmp_path / "v"), "--n", "10", "--heldout-tasks", "10")
+    assert count.returncode == 2 and "heldout_tasks" in count.stderr and not (tmp_path / "v").exists()
 
 
 def idiom_cover(manifest: dict) -> list[dict]:
