@@ -47,9 +47,13 @@ from t1jax.controller.config import ConfigError, resolve_path, section_from_dict
 
 @dataclass(frozen=True)
 class TasksStage:
+    """`t1jax tasks generate`'s settings (`t1jax.data.suite.SuiteConfig`)."""
+
     n: int = 160
     seed: int = 0
     heldout_fraction: float = 0.2
+    heldout_tasks: int | None = None
+    families_per_category: int = 12
 
 
 @dataclass(frozen=True)
@@ -203,9 +207,11 @@ class Demo:
         c, out = self.config, self.out
         cli = [sys.executable, "-m", "t1jax.cli"]
         tasks = out / "tasks"
+        heldout_tasks = [] if c.tasks.heldout_tasks is None else ["--heldout-tasks", str(c.tasks.heldout_tasks)]
         stages = [
             Stage("tasks", [*cli, "tasks", "generate", "--out", str(tasks), "--n", str(c.tasks.n),
-                            "--seed", str(c.tasks.seed), "--heldout-fraction", str(c.tasks.heldout_fraction)],
+                            "--seed", str(c.tasks.seed), "--heldout-fraction", str(c.tasks.heldout_fraction),
+                            "--families-per-category", str(c.tasks.families_per_category), *heldout_tasks],
                   tasks / "manifest.json", workdir=tasks),
             self._base_stage(),
             Stage("sft", [*cli, "sft", "--config", str(self.path(c.sft.config)),
@@ -484,7 +490,10 @@ class Demo:
         from t1jax.report.curves import figures, load_run
 
         run = load_run(self.out / name)
-        for result in sorted(self.eval_dir.glob("*/result.json")):
+        # bars in the pipeline's order (base, SFT, RL; greedy before sampled), not alphabetical
+        order = {stage.workdir: index for index, stage in enumerate(self.stages())}
+        results = sorted(self.eval_dir.glob("*/result.json"), key=lambda r: (order.get(r.parent, len(order)), r))
+        for result in results:
             if result.parent.name == "sft-variance":  # train tasks at the RL temperature: no bar
                 continue
             run.evals[result.parent.name] = json.loads(result.read_text())

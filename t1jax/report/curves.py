@@ -129,7 +129,7 @@ def figures(run: Run) -> dict[str, Any]:
     out["cancelled_tail"] = fig
 
     if run.evals:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(run.evals)), 3.5))
         names = list(run.evals)
         rates = [run.evals[n]["resolved_rate"] or 0.0 for n in names]
         lows = [
@@ -142,6 +142,7 @@ def figures(run: Run) -> dict[str, Any]:
         ]
         ax.bar(names, rates, yerr=[lows, highs], capsize=4, color="tab:blue")
         ax.set(ylabel="resolved rate", title="Held-out evaluation (95% bootstrap interval)", ylim=(0, 1))
+        ax.tick_params(axis="x", labelrotation=30)  # job names like rl-binary-sampled overlap flat
         out["eval"] = fig
     for figure in out.values():
         figure.tight_layout()

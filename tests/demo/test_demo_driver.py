@@ -153,6 +153,11 @@ def test_a_second_seed_moves_every_training_and_eval_seed_but_not_the_suites(tmp
         return values[-1] if values else None
 
     assert flag(first["tasks"], "--seed") == flag(second["tasks"], "--seed")  # the same suite
+    suite = config.tasks
+    for name, value in (("--n", suite.n), ("--heldout-fraction", suite.heldout_fraction),
+                        ("--heldout-tasks", suite.heldout_tasks),
+                        ("--families-per-category", suite.families_per_category)):  # fmt: skip
+        assert flag(first["tasks"], name) == flag(second["tasks"], name) == str(value), name
     assert int(flag(second["base"], "--seed")) == int(flag(first["base"], "--seed")) + 1
     assert flag(first["sft"], "--seed") is None and flag(second["sft"], "--seed") == "1"
     for name in ("warmup", "rl"):
