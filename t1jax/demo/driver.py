@@ -490,13 +490,13 @@ class Demo:
         from t1jax.report.curves import figures, load_run
 
         run = load_run(self.out / name)
-        # bars in the pipeline's order (base, SFT, RL; greedy before sampled), not alphabetical
-        order = {stage.workdir: index for index, stage in enumerate(self.stages())}
-        results = sorted(self.eval_dir.glob("*/result.json"), key=lambda r: (order.get(r.parent, len(order)), r))
-        for result in results:
-            if result.parent.name == "sft-variance":  # train tasks at the RL temperature: no bar
-                continue
-            run.evals[result.parent.name] = json.loads(result.read_text())
+        # the held-out jobs in the pipeline's order, as the summary table has them (the
+        # reward-variance job, train tasks at the RL temperature, gets no bar)
+        for name in self.checkpoints:
+            for mode in self.modes:
+                result = self.eval_dir / f"{name}-{mode}" / "result.json"
+                if result.is_file():
+                    run.evals[f"{name}-{mode}"] = json.loads(result.read_text())
         written = []
         (self.out / name / "plots").mkdir(parents=True, exist_ok=True)
         for figure_name, figure in figures(run).items():
