@@ -30,16 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _overrides(pairs: list[str]) -> dict:
-    import yaml
-
     from t1jax.cli import UsageError
+    from t1jax.yamlio import load_yaml
 
     out = {}
     for pair in pairs:
         if "=" not in pair:
             raise UsageError(f"--set {pair!r}: expected KEY=VALUE")
         key, value = pair.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
+        out[key.strip()] = load_yaml(value)
     return out
 
 

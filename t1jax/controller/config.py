@@ -51,6 +51,7 @@ from typing import Any
 import yaml
 
 from t1jax.rl.config import RLConfig, rl_config_from_dict
+from t1jax.yamlio import load_yaml
 
 
 class ConfigError(ValueError):
@@ -603,7 +604,7 @@ def load_run_config(
     if not path.is_file():
         raise FileNotFoundError(f"run config {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from error
     raw = apply_overrides(raw, overrides or {})

@@ -33,6 +33,8 @@ from typing import Any
 
 import yaml
 
+from t1jax.yamlio import load_yaml
+
 CONFIG_FILE = "config.yaml"
 
 
@@ -60,7 +62,7 @@ class RunDir:
         path = self.path / CONFIG_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{self.path} is not a run directory (no {CONFIG_FILE})")
-        return yaml.safe_load(path.read_text())
+        return load_yaml(path.read_text())
 
     def truncate_after(self, step: int) -> None:
         """Drop every record of steps after `step` (they are about to be recomputed)."""

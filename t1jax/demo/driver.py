@@ -40,9 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from t1jax.controller.config import ConfigError, resolve_path, section_from_dict
+from t1jax.yamlio import load_yaml
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"demo config {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = load_yaml(path.read_text()) or {}
     known = {f.name: f.type for f in dataclasses.fields(DemoConfig)}
     unknown = sorted(set(raw) - set(known))
     if unknown:
@@ -207,7 +206,8 @@ class Demo:
         c, out = self.config, self.out
         cli = [sys.executable, "-m", "t1jax.cli"]
         tasks = out / "tasks"
-        heldout_tasks = [] if c.tasks.heldout_tasks is None else ["--heldout-tasks", str(c.tasks.heldout_tasks)]
+        heldout = c.tasks.heldout_tasks
+        heldout_tasks = [] if heldout is None else ["--heldout-tasks", str(heldout)]
         stages = [
             Stage("tasks", [*cli, "tasks", "generate", "--out", str(tasks), "--n", str(c.tasks.n),
                             "--seed", str(c.tasks.seed), "--heldout-fraction", str(c.tasks.heldout_fraction),

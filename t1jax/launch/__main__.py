@@ -12,6 +12,7 @@ import yaml
 
 from t1jax.launch.manifests import LaunchParams, manifest_names, render_manifests
 from t1jax.launch.validate import DEFAULT_KUBERNETES_VERSION, ManifestError, validate_manifests
+from t1jax.yamlio import load_yaml
 
 
 def rendered_yaml(manifests) -> str:
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
     render.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
     try:
-        values = yaml.safe_load(args.params.read_text())
+        values = load_yaml(args.params.read_text())
         if not isinstance(values, dict):
             raise ValueError(f"{args.params} must hold a mapping of launch parameters")
         manifests = render_manifests(LaunchParams.from_mapping(values))

@@ -255,10 +255,10 @@ def load_config(path: str | Path) -> Qwen35MoeConfig:
     if not path.exists():
         raise FileNotFoundError(f"no model config at {path}")
     if path.suffix in (".yaml", ".yml"):
-        import yaml
+        from t1jax.yamlio import load_yaml
 
         with path.open() as f:
-            preset = yaml.safe_load(f)
+            preset = load_yaml(f)
         if not isinstance(preset, Mapping):
             raise ValueError(f"{path}: expected a mapping of config fields, got {type(preset).__name__}")
         if "model" in preset and isinstance(preset["model"], Mapping):

@@ -165,10 +165,10 @@ def load_execution(path: str | Path) -> ExecutionConfig:
     path = Path(path)
     if path.is_dir() or path.suffix not in (".yaml", ".yml"):
         return ExecutionConfig()
-    import yaml
+    from t1jax.yamlio import load_yaml
 
     with path.open() as f:
-        preset = yaml.safe_load(f)
+        preset = load_yaml(f)
     section = preset.get("execution") if isinstance(preset, Mapping) else None
     if section is None:
         return ExecutionConfig()

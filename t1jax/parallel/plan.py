@@ -129,7 +129,7 @@ def load_plan(name_or_path: str | Path) -> ShardingPlan:
 
     The file holds the plan's fields under a ``plan:`` key (or at the top level); ``devices``,
     if present, must equal the product of the degrees."""
-    import yaml
+    from t1jax.yamlio import load_yaml
 
     path = Path(name_or_path)
     if not path.suffix:
@@ -138,7 +138,7 @@ def load_plan(name_or_path: str | Path) -> ShardingPlan:
         available = sorted(p.stem for p in PLANS_DIR.glob("*.yaml"))
         raise FileNotFoundError(f"no sharding plan at {path}; named plans: {available}")
     with path.open() as f:
-        body = yaml.safe_load(f)
+        body = load_yaml(f)
     if not isinstance(body, Mapping):
         raise ValueError(f"{path}: expected a mapping, got {type(body).__name__}")
     body = dict(body.get("plan", body))

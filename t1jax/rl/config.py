@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from t1jax.rl.batching import BatchingConfig
 from t1jax.rl.optim import OptimizerConfig
 from t1jax.rl.reward import RewardConfig
+from t1jax.yamlio import load_yaml
 
 
 @dataclass(frozen=True)
@@ -152,7 +151,7 @@ def rl_config_from_dict(raw: Mapping[str, Any], *, source: str = "<dict>") -> RL
 
 def load_rl_config(path: str | Path) -> RLConfig:
     path = Path(path)
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = load_yaml(path.read_text()) or {}
     if not isinstance(raw, Mapping):
         raise ValueError(f"{path}: an RL config must be a mapping of sections")
     return rl_config_from_dict(raw, source=str(path))

@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from t1jax.agent.harness import HarnessConfig, TerminalMode
+from t1jax.yamlio import load_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,7 +102,7 @@ def load_sft_config(path: str | Path) -> SFTConfig:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"SFT config not found: {path}")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = load_yaml(path.read_text()) or {}
     if not isinstance(raw, Mapping):
         raise ValueError(f"{path}: an SFT config must be a mapping")
     config = sft_config_from_dict(raw, source=str(path))

@@ -90,6 +90,22 @@ def test_the_learner_scores_the_temperature_rollouts_sample_at(tmp_path):
     assert run_config_from_dict(yaml.safe_load(yaml.safe_dump(config.resolved()))) == config
 
 
+def test_learning_rates_written_as_people_write_them_are_numbers(tmp_path):
+    # `1e-4` is a YAML 1.2 float but a string to PyYAML's YAML 1.1; the rl section then refused it
+    # ("must be real number, not str"), in a config file and in `t1jax train --set` alike.
+    path = write(tmp_path)
+    text = path.read_text()
+    assert "actor_optimizer:\n    learning_rate: 0.001\n" in text  # the bundled 1.0e-3, dumped
+    old, new = "actor_optimizer:\n    learning_rate: 0.001", "actor_optimizer:\n    learning_rate: 3e-5"
+    path.write_text(text.replace(old, new))
+    assert load_run_config(path).rl.actor_optimizer.learning_rate == 3e-5
+    from t1jax.controller.cli import _overrides
+
+    overrides = _overrides(["rl.critic_optimizer.learning_rate=6e-4", "run.steps=3"])
+    config = load_run_config(path, overrides=overrides)
+    assert config.rl.critic_optimizer.learning_rate == 6e-4 and config.run.steps == 3
+
+
 def test_impossible_device_splits_fail_before_any_device_work(tmp_path):
     config = load_run_config(write(tmp_path))
     with pytest.raises(ConfigError, match=r"trainer 4 \+ sampler 4 = 8 devices, but the process sees 6"):
