@@ -14,7 +14,9 @@ real sandboxes, the JAX engine, the learner, the controller and the evaluator, a
     OUT/warmup/                   critic warm-up: t1jax train with the actor held (§4.5)
     OUT/rl/                       RL from the SFT actor and the warmed-up critic (t1jax train);
                                   with --ablation also OUT/warmup-binary/ and OUT/rl-binary/ (only
-                                  the reward differs, in the warm-up as in RL)
+                                  the reward differs, in the warm-up as in RL); each
+                                  --campaign rl-NAME KEY=VALUE... adds OUT/rl-NAME/ (and
+                                  OUT/warmup-NAME/ when an override can reach the warm-up)
     OUT/eval/<ckpt>-<mode>/       t1jax eval on the held-out split, greedy and sampled (the paper's
                                   protocol, §6.1: temperature 0.1, top-p 0.95, top-k 20, 3 attempts)
     OUT/<campaign>/plots/*.png    training curves and evaluation bars (t1jax.report.curves)
@@ -24,7 +26,9 @@ real sandboxes, the JAX engine, the learner, the controller and the evaluator, a
 A stage whose output is complete is not run again (re-running `make demo` continues where a
 failure stopped it). The verdict: RL beats SFT and SFT beats base on the held-out resolved rate
 beyond the evaluation noise, i.e. the 95% paired bootstrap interval over tasks of the difference
-excludes 0.
+excludes 0. `make demo`'s exit status is that verdict; extra campaigns (the ablation, --campaign)
+are reported next to it, each against SFT and against the demo's own RL, whichever way they come
+out.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,6 +141,29 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
     return DemoConfig(**sections), path.resolve().parent
 
 
+# Overrides only an RL run can feel. The warm-up holds the actor (schedule.train_actor: false), so
+# the actor's optimizer, clip and epochs never reach it, and its length, seed and bookkeeping are
+# its own. A campaign whose every override is one of these starts from the demo's own warm-up
+# critic; any other override (a reward, a sampling temperature, the critic's optimizer, the batch)
+# can change the critic a warm-up fits, so that campaign warms up its own, with those overrides.
+RL_ONLY_OVERRIDES = ("rl.actor_optimizer", "rl.ppo.clip_eps", "rl.ppo.actor_epochs", "run.steps",
+                     "run.seed", "run.name", "checkpoint", "logging")  # fmt: skip
+CAMPAIGN_NAME = re.compile(r"rl-[a-z0-9][a-z0-9_.-]*")
+
+
+def demo_verdict_holds(verdicts: Mapping[str, Mapping[str, Any]]) -> bool:
+    """`make demo`'s verdict from a summary's verdicts: the demo's own RL beats SFT and SFT beats
+    base beyond the noise, in every evaluation mode. Other campaigns' comparisons (the ablation's,
+    a --campaign's) are reported, not judged."""
+    own = [v for name, v in verdicts.items() if name.split(" ")[0] in ("rl>sft", "sft>base")]
+    return bool(own) and all(v["beyond_noise"] for v in own)
+
+
+def rl_only(key: str) -> bool:
+    """Whether a dotted override key is one only the RL run feels (`RL_ONLY_OVERRIDES`)."""
+    return any(key == prefix or key.startswith(prefix + ".") for prefix in RL_ONLY_OVERRIDES)
+
+
 class Stage:
     """One step of the demo: a command, where it writes, how to tell it is complete."""
 
@@ -177,7 +206,8 @@ class Stage:
 
 class Demo:
     def __init__(self, config: DemoConfig, base_dir: Path, out: Path, *, quiet: bool = False,
-                 ablation: bool = False, seed: int = 0):  # fmt: skip
+                 ablation: bool = False, seed: int = 0,
+                 campaigns: Mapping[str, Mapping[str, Any]] | None = None):  # fmt: skip
         self.config, self.base_dir, self.out, self.quiet = config, base_dir, Path(out), quiet
         # `seed` is added to every training and evaluation seed (base, SFT, warm-up, RL, eval) but
         # not to the suite's: a second seed is a second run on the same held-out tasks.
@@ -187,6 +217,10 @@ class Demo:
         self.campaigns: dict[str, dict[str, Any]] = {"rl": {}}
         if ablation:
             self.campaigns["rl-binary"] = {"rl.reward.kind": "binary"}
+        # `campaigns`: more RL runs from the same SFT checkpoint (`t1jax demo --campaign`), each
+        # the demo's rl stage plus its overrides; checked now, before any stage runs.
+        for name, overrides in (campaigns or {}).items():
+            self.campaigns[name] = self._checked_campaign(name, dict(overrides))
         self.logs = self.out / "logs"
         self.env = {
             **os.environ,
@@ -229,8 +263,10 @@ class Demo:
         # negative, and the ablation would measure the mismatch, not the reward.
         for name, overrides in self.campaigns.items():
             warmup = self.warmup_dir(name)
-            command = self._train_command(warmup.name, c.warmup, overrides, actor=sft, critic=None)
-            stages.append(Stage(warmup.name, command, warmup / "status.json", workdir=warmup))
+            if warmup.name != "warmup" or name == "rl":
+                warmup_overrides = {k: v for k, v in overrides.items() if not rl_only(k)}
+                command = self._train_command(warmup.name, c.warmup, warmup_overrides, actor=sft, critic=None)
+                stages.append(Stage(warmup.name, command, warmup / "status.json", workdir=warmup))
         for name, overrides in self.campaigns.items():
             command = self._train_command(name, c.rl, overrides, actor=sft, critic=self.warmup_dir(name))
             stages.append(Stage(name, command, out / name / "status.json", workdir=out / name))
@@ -242,9 +278,32 @@ class Demo:
         return stages
 
     def warmup_dir(self, campaign: str) -> Path:
-        """The critic warm-up of an RL campaign: `warmup/` for the demo's own, `warmup-<suffix>/`
-        for an ablation's (`rl-binary` -> `warmup-binary`)."""
-        return self.out / ("warmup" if campaign == "rl" else "warmup-" + campaign.removeprefix("rl-"))
+        """The critic warm-up of an RL campaign: `warmup/` for the demo's own and for a campaign
+        whose every override is RL-only (`rl_only`), else `warmup-<suffix>/` (`rl-binary` ->
+        `warmup-binary`)."""
+        if campaign == "rl" or all(rl_only(key) for key in self.campaigns[campaign]):
+            return self.out / "warmup"
+        return self.out / ("warmup-" + campaign.removeprefix("rl-"))
+
+    def _checked_campaign(self, name: str, overrides: dict[str, Any]) -> dict[str, Any]:
+        """A `--campaign`'s name and overrides, or a ConfigError naming what is wrong: the name is
+        `rl-` and a word (it names OUT/<name>/ and its eval jobs), new, and the overrides are keys
+        the rl stage's run config accepts with those values."""
+        from t1jax.controller.config import load_run_config
+
+        if not CAMPAIGN_NAME.fullmatch(name):
+            raise ConfigError(f"campaign {name!r}: the name must be rl-<word> (lowercase, digits, - _ .)")
+        if name in self.campaigns:
+            raise ConfigError(f"campaign {name!r}: already a campaign of this demo")
+        if not overrides:
+            raise ConfigError(f"campaign {name!r}: give it at least one KEY=VALUE (else it is the rl run)")
+        stage = self.config.rl
+        try:
+            merged = {**stage.overrides, **overrides}
+            load_run_config(self.path(stage.config), overrides=merged, check_paths=False)
+        except (ConfigError, ValueError) as error:
+            raise ConfigError(f"campaign {name!r}: {error}") from error
+        return overrides
 
     @property
     def eval_dir(self) -> Path:

@@ -230,3 +230,95 @@ def test_reward_variance_is_measured_on_train_tasks_as_rl_samples(tmp_path):
     protocol = [float(flag(held_out, "--temperature")), float(flag(held_out, "--top-p")),
                 int(flag(held_out, "--top-k")), int(flag(held_out, "--attempts"))]  # fmt: skip
     assert protocol == [0.1, 0.95, 20, 3]
+
+
+def test_a_campaign_is_the_rl_stage_plus_its_overrides_warm_up_shared_when_it_cannot_differ(tmp_path):
+    """`--campaign`: an actor-only campaign (learning rate, steps) starts from the demo's own
+    warm-up critic; one whose override reaches a warm-up (the sampling temperature) warms up its
+    own, with that override but without the RL-only ones."""
+    from t1jax.demo.driver import Demo
+
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    campaigns = {"rl-lr6": {"rl.actor_optimizer.learning_rate": 6e-4, "run.steps": 16},
+                 "rl-t07": {"sampling.temperature": 0.7, "run.steps": 16}}  # fmt: skip
+    demo = Demo(config, base_dir, tmp_path, campaigns=campaigns)
+    stages = {s.name: s.command for s in demo.stages()}
+    assert [n for n in stages if not n.startswith("eval")] == [
+        "tasks",
+        "base",
+        "sft",
+        "sft reward variance",
+        "warmup",
+        "warmup-t07",
+        "rl",
+        "rl-lr6",
+        "rl-t07",
+    ]
+    assert {f"eval {name} {mode}" for name in campaigns for mode in ("greedy", "sampled")} <= set(stages)
+
+    def sets(name):
+        command = stages[name]
+        return {command[i + 1] for i, part in enumerate(command[:-1]) if part == "--set"}
+
+    def extra(name):
+        return {s for s in sets(name) if not s.startswith(("model.", "tasks."))}
+
+    assert extra("rl-lr6") == {"rl.actor_optimizer.learning_rate=0.0006", "run.steps=16"}
+    assert f"model.critic_checkpoint={tmp_path / 'warmup'}" in sets("rl-lr6")
+    assert extra("warmup-t07") == {"sampling.temperature=0.7"}  # not the RL run's length
+    assert extra("rl-t07") == {"sampling.temperature=0.7", "run.steps=16"}
+    assert f"model.critic_checkpoint={tmp_path / 'warmup-t07'}" in sets("rl-t07")
+    assert extra("rl") == extra("warmup") == set()  # the demo's own run is untouched
+    assert ("rl-lr6", "sft") in demo.comparisons() and ("rl", "rl-t07") in demo.comparisons()
+
+
+@pytest.mark.parametrize(
+    ("campaigns", "needle"),
+    [({"lr6": {"run.steps": 2}}, "the name must be rl-<word>"),
+     ({"rl-binary": {"run.steps": 2}}, "already a campaign"),  # the ablation's
+     ({"rl-a": {}}, "at least one KEY=VALUE"),
+     ({"rl-a": {"rl.ppo.clip": 0.3}}, "unknown key(s) ['clip'] in section 'ppo'"),
+     ({"rl-a": {"run.steps": "many"}}, "run.steps: must be an integer")],
+)  # fmt: skip
+def test_a_bad_campaign_is_refused_before_any_stage(tmp_path, campaigns, needle):
+    from t1jax.controller.config import ConfigError
+    from t1jax.demo.driver import Demo
+
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    with pytest.raises(ConfigError) as raised:
+        Demo(config, base_dir, tmp_path / "out", ablation=True, campaigns=campaigns)
+    assert needle in str(raised.value) and next(iter(campaigns)) in str(raised.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_reads_campaigns_and_refuses_a_bad_one_in_one_line(tmp_path):
+    from t1jax.demo.cli import campaigns_from_args
+
+    assert campaigns_from_args([["rl-lr", "rl.actor_optimizer.learning_rate=6e-4", "run.steps=16"]]) == {
+        "rl-lr": {"rl.actor_optimizer.learning_rate": 6e-4, "run.steps": 16}
+    }
+    twice = ["--campaign", "rl-a", "run.steps=2", "--campaign", "rl-a", "run.steps=3"]
+    cases = [(["--campaign", "rl-a", "steps"], "'steps' is not KEY=VALUE"), (twice, "given twice"),
+             (["--campaign", "lr6", "run.steps=2"], "the name must be rl-<word>")]  # fmt: skip
+    for argv, needle in cases:
+        command = [sys.executable, "-m", "t1jax.cli", "demo", "--out", str(tmp_path / "out"), "--no-progress"]
+        result = subprocess.run([*command, *argv], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert result.returncode == 2 and needle in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_the_demo_verdict_is_its_own_rl_and_sft_whatever_other_campaigns_show():
+    from t1jax.demo.driver import demo_verdict_holds
+
+    def verdict(beyond):
+        return {"difference": 0.1 if beyond else 0.0, "ci95": [0.0, 0.2], "beyond_noise": beyond}
+
+    own = {"rl>sft (greedy)": verdict(True), "sft>base (greedy)": verdict(True)}
+    others = {"rl-lr6>sft (greedy)": verdict(False), "rl>rl-lr6 (greedy)": verdict(False)}
+    assert demo_verdict_holds({**own, **others})
+    assert not demo_verdict_holds({**own, "rl>sft (sampled)": verdict(False)})
+    assert not demo_verdict_holds(
+        {**own, "rl>sft (greedy)": verdict(False), "rl-lr6>sft (greedy)": verdict(True)}
+    )
+    assert not demo_verdict_holds({"rl-lr6>sft (greedy)": verdict(True)})  # nothing of its own
+    assert not demo_verdict_holds({})
