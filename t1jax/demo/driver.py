@@ -412,8 +412,10 @@ class Demo:
     # ---- running -----------------------------------------------------------------------------
 
     def run(self, display=None) -> dict[str, Any]:
+        self._check_seed()
         self.out.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
+        (self.logs / "demo.json").write_text(json.dumps({"seed": self.seed}) + "\n")
         stages = self.stages()
         started = time.monotonic()
         for stage in stages:
@@ -434,6 +436,17 @@ class Demo:
         if display is not None:
             display(stages, None)
         return summary
+
+    def _check_seed(self) -> None:
+        """A demo directory continues under the seed it was started with: its completed stages are
+        kept, so another `--seed` (easy to forget when adding a --campaign to a second seed's run)
+        would mix two seeds' stages in one table."""
+        recorded = self.logs / "demo.json"
+        if recorded.is_file():
+            seed = json.loads(recorded.read_text()).get("seed", 0)
+            if seed != self.seed:
+                raise ConfigError(f"{self.out} is a --seed {seed} demo; continue it with --seed {seed}, "
+                                  f"not {self.seed} (or use another --out)")  # fmt: skip
 
     def _run_command(self, stage: Stage) -> None:
         log = self.logs / f"{stage.name.replace(' ', '-')}.log"

@@ -322,3 +322,16 @@ def test_the_demo_verdict_is_its_own_rl_and_sft_whatever_other_campaigns_show():
     )
     assert not demo_verdict_holds({"rl-lr6>sft (greedy)": verdict(True)})  # nothing of its own
     assert not demo_verdict_holds({})
+
+
+def test_a_demo_directory_continues_only_under_its_own_seed(tmp_path):
+    from t1jax.controller.config import ConfigError
+    from t1jax.demo.driver import Demo
+
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "demo.json").write_text('{"seed": 1}')
+    campaigns = {"rl-lr6": {"rl.actor_optimizer.learning_rate": 6e-4}}
+    with pytest.raises(ConfigError, match="is a --seed 1 demo; continue it with --seed 1, not 0"):
+        Demo(config, base_dir, tmp_path, campaigns=campaigns).run()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["demo.json", "logs"]  # nothing ran
