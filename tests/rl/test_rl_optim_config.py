@@ -32,6 +32,31 @@ def test_first_adamw_step_by_hand():
     np.testing.assert_allclose(np.asarray(adam_state.mu["kernel"]), [[0.06, 0.08]], rtol=1e-5)
 
 
+def test_a_warmup_ramps_each_adam_step_by_hand():
+    """warmup_updates=4: a constant gradient's Adam steps are exactly the rate (m_hat / sqrt(v_hat)
+    = 1), so the parameter moves by lr * k / 4 at update k = 1..4, then by lr."""
+    lr = 0.1
+    config = OptimizerConfig(learning_rate=lr, weight_decay=0.0, max_grad_norm=0.0, warmup_updates=4)
+    optimizer = make_optimizer(config)
+    params = {"w": jnp.array([0.0])}
+    state = optimizer.init(params)
+    steps = []
+    for _ in range(6):
+        updates, state = optimizer.update({"w": jnp.array([2.0])}, state, params)
+        new = optax.apply_updates(params, updates)
+        steps.append(float(params["w"][0] - new["w"][0]))
+        params = new
+    expected = [lr * 1 / 4, lr * 2 / 4, lr * 3 / 4, lr, lr, lr]
+    np.testing.assert_allclose(steps, expected, rtol=1e-5)
+    assert [config.learning_rate_at(k) for k in range(1, 7)] == pytest.approx(expected)
+    constant = OptimizerConfig(learning_rate=lr)
+    assert constant.warmup_updates == 0 and constant.learning_rate_at(1) == lr  # the paper's default
+    with pytest.raises(ValueError, match="warmup_updates must be an integer >= 0"):
+        OptimizerConfig(learning_rate=lr, warmup_updates=-1)
+    config = rl_config_from_dict({"critic_optimizer": {"learning_rate": 3e-3, "warmup_updates": 8}})
+    assert config.critic_optimizer.warmup_updates == 8 and config.actor_optimizer.warmup_updates == 0
+
+
 def test_defaults_are_the_paper_values():
     config = RLConfig()
     assert config.actor_optimizer.learning_rate == pytest.approx(1e-6)
