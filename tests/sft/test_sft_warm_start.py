@@ -206,8 +206,9 @@ def test_sft_cli_rejects_bad_input(tmp_path):
     bad.write_text("training:\n  epoch: 3\n")
     typo = run_cli("--config", str(bad), "--tasks", str(tmp_path), "--out", str(tmp_path / "o"))
     assert typo.returncode == 2 and "training.epoch: unknown key" in typo.stderr
-    # YAML reads `3e-3` (no dot) as a string: refused before any sandbox starts, naming the key
-    bad.write_text("training:\n  learning_rate: 3e-3\n")
+    # a value of the wrong kind is refused before any sandbox starts, naming the key (`3e-3` is a
+    # number: t1jax.yamlio reads YAML 1.2's exponent floats)
+    bad.write_text("training:\n  learning_rate: fast\n")
     kind = run_cli("--config", str(bad), "--tasks", str(tmp_path), "--out", str(tmp_path / "o"))
     assert kind.returncode == 2 and "training.learning_rate: must be a number" in kind.stderr
     assert "Traceback" not in missing.stderr + typo.stderr + kind.stderr
