@@ -588,6 +588,16 @@ def _test_fractions(job: Path) -> dict[str, list[float]]:
             for task in passed}  # fmt: skip
 
 
+def _noise_mark(verdict: Mapping[str, Any], *, not_beyond: str) -> str:
+    """How a comparison `better>worse` reads: beyond the noise when its interval lies above 0,
+    *reversed* beyond the noise when it lies below 0 (the supposedly better one is worse: a run
+    that made the policy worse must not read like an inconclusive one), else `not_beyond`."""
+    low, high = verdict["ci95"]
+    if verdict["beyond_noise"]:
+        return "beyond the noise"
+    return "REVERSED beyond the noise (worse)" if high < 0 else not_beyond
+
+
 def render_markdown(summary: dict[str, Any]) -> str:
     lines = ["| checkpoint | resolved | 95% CI | pass@1 | tests passed | trials | errors |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -601,11 +611,11 @@ def render_markdown(summary: dict[str, Any]) -> str:
     lines.append("")
     for name, verdict in summary["verdicts"].items():
         low, high = verdict["ci95"]
-        mark = "beyond the noise" if verdict["beyond_noise"] else "NOT beyond the noise"
+        mark = _noise_mark(verdict, not_beyond="NOT beyond the noise")
         lines.append(f"- {name}: {verdict['difference']:+.3f} [{low:+.3f}, {high:+.3f}] — {mark}")
     for name, verdict in summary.get("tests_passed_verdicts", {}).items():
         low, high = verdict["ci95"]
-        mark = "beyond the noise" if verdict["beyond_noise"] else "not beyond the noise"
+        mark = _noise_mark(verdict, not_beyond="not beyond the noise")
         difference = f"{verdict['difference']:+.3f} [{low:+.3f}, {high:+.3f}]"
         lines.append(f"- share of tests passed, {name}: {difference} — {mark} (informational)")
     variance = summary.get("sft_reward_variance")

@@ -335,3 +335,20 @@ def test_a_demo_directory_continues_only_under_its_own_seed(tmp_path):
     with pytest.raises(ConfigError, match="is a --seed 1 demo; continue it with --seed 1, not 0"):
         Demo(config, base_dir, tmp_path, campaigns=campaigns).run()
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["demo.json", "logs"]  # nothing ran
+
+
+def test_a_comparison_whose_interval_lies_below_zero_reads_as_reversed():
+    from t1jax.demo.driver import render_markdown
+
+    def verdict(low, high):
+        return {"difference": (low + high) / 2, "ci95": [low, high], "beyond_noise": low > 0}
+
+    verdicts = {"rl>sft (greedy)": verdict(0.02, 0.2), "rl-a>sft (greedy)": verdict(-0.188, -0.016),
+                "rl-b>sft (greedy)": verdict(-0.05, 0.1)}  # fmt: skip
+    summary = {"table": {}, "stage_seconds": {}, "total_stage_sec": 0, "wall_sec": 0, "verdicts": verdicts,
+               "tests_passed_verdicts": {"rl-a>sft (greedy)": verdict(-0.126, -0.004)}}  # fmt: skip
+    lines = render_markdown(summary).splitlines()
+    assert "- rl>sft (greedy): +0.110 [+0.020, +0.200] — beyond the noise" in lines
+    assert "- rl-a>sft (greedy): -0.102 [-0.188, -0.016] — REVERSED beyond the noise (worse)" in lines
+    assert "- rl-b>sft (greedy): +0.025 [-0.050, +0.100] — NOT beyond the noise" in lines
+    assert any(line.startswith("- share of tests passed, rl-a>sft") and "REVERSED" in line for line in lines)
