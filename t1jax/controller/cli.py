@@ -29,15 +29,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
-def _overrides(pairs: list[str]) -> dict:
+def parse_overrides(pairs: list[str], *, flag: str = "--set") -> dict:
+    """`KEY=VALUE` command-line overrides -> {KEY: value}, each value read as YAML
+    (`t1jax.yamlio`); `flag` names the option in the one-line refusal of a malformed pair."""
     from t1jax.cli import UsageError
     from t1jax.yamlio import load_yaml
 
     out = {}
     for pair in pairs:
-        if "=" not in pair:
-            raise UsageError(f"--set {pair!r}: expected KEY=VALUE")
-        key, value = pair.split("=", 1)
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"{flag}: {pair!r} is not KEY=VALUE")
         out[key.strip()] = load_yaml(value)
     return out
 
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         config.check(base_dir=base_dir)
         resume = True
     else:
-        config = load_run_config(args.config, overrides=_overrides(args.set))
+        config = load_run_config(args.config, overrides=parse_overrides(args.set))
         base_dir = args.config.resolve().parent
         config = config.with_absolute_paths(base_dir)
         path = args.run_dir or Path("runs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"

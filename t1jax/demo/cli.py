@@ -43,19 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def campaigns_from_args(values: list[list[str]]) -> dict[str, dict]:
     """`--campaign NAME KEY=VALUE...` values -> {NAME: {KEY: value}}, each value read as YAML."""
     from t1jax.cli import UsageError
-    from t1jax.yamlio import load_yaml
+    from t1jax.controller.cli import parse_overrides
 
     campaigns: dict[str, dict] = {}
     for name, *pairs in values:
         if name in campaigns:
             raise UsageError(f"--campaign {name}: given twice")
-        overrides = {}
-        for pair in pairs:
-            key, sep, value = pair.partition("=")
-            if not sep or not key.strip():
-                raise UsageError(f"--campaign {name}: {pair!r} is not KEY=VALUE")
-            overrides[key.strip()] = load_yaml(value)
-        campaigns[name] = overrides
+        campaigns[name] = parse_overrides(pairs, flag=f"--campaign {name}")
     return campaigns
 
 

@@ -99,9 +99,9 @@ def test_learning_rates_written_as_people_write_them_are_numbers(tmp_path):
     old, new = "actor_optimizer:\n    learning_rate: 0.001", "actor_optimizer:\n    learning_rate: 3e-5"
     path.write_text(text.replace(old, new))
     assert load_run_config(path).rl.actor_optimizer.learning_rate == 3e-5
-    from t1jax.controller.cli import _overrides
+    from t1jax.controller.cli import parse_overrides
 
-    overrides = _overrides(["rl.critic_optimizer.learning_rate=6e-4", "run.steps=3"])
+    overrides = parse_overrides(["rl.critic_optimizer.learning_rate=6e-4", "run.steps=3"])
     config = load_run_config(path, overrides=overrides)
     assert config.rl.critic_optimizer.learning_rate == 6e-4 and config.run.steps == 3
 
