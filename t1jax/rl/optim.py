@@ -53,11 +53,12 @@ class OptimizerConfig:
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"optimizer warmup_updates must be an integer >= 0, got {self.warmup_updates!r}")
 
-    def learning_rate_at(self, update: int) -> float:
-        """The rate of the `update`-th update of a run (1-based), as `make_optimizer` applies it."""
+    def learning_rate_at(self, update):
+        """The rate of the `update`-th update of a run (1-based): what `make_optimizer` applies
+        (`update` an int, or optax's traced count + 1)."""
         if self.warmup_updates <= 0:
             return self.learning_rate
-        return self.learning_rate * min(1.0, update / self.warmup_updates)
+        return self.learning_rate * jnp.minimum(1.0, update / self.warmup_updates)
 
 
 def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
@@ -71,8 +72,7 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
     if config.warmup_updates > 0:
         # optax passes the count of updates already applied (0 for the first): update k = count + 1
         def learning_rate(count):
-            ramp = jnp.minimum(1.0, (count + 1) / config.warmup_updates)
-            return config.learning_rate * ramp
+            return config.learning_rate_at(count + 1)
 
     adamw = optax.adamw(
         learning_rate=learning_rate,

@@ -48,7 +48,7 @@ def test_a_warmup_ramps_each_adam_step_by_hand():
         params = new
     expected = [lr * 1 / 4, lr * 2 / 4, lr * 3 / 4, lr, lr, lr]
     np.testing.assert_allclose(steps, expected, rtol=1e-5)
-    assert [config.learning_rate_at(k) for k in range(1, 7)] == pytest.approx(expected)
+    assert [float(config.learning_rate_at(k)) for k in range(1, 7)] == pytest.approx(expected)
     constant = OptimizerConfig(learning_rate=lr)
     assert constant.warmup_updates == 0 and constant.learning_rate_at(1) == lr  # the paper's default
     with pytest.raises(ValueError, match="warmup_updates must be an integer >= 0"):
