@@ -101,14 +101,18 @@ def exec_script(
     return f"""
 exec 3>&2 2>/dev/null  # job-control chatter ("Killed ...") must not reach the caller's stderr
 t1=/tmp/.t1jax; mkdir -p "$t1"
-out="$t1/{nonce}.out"; err="$t1/{nonce}.err"; flag="$t1/{nonce}.timeout"
+out="$t1/{nonce}.out"; err="$t1/{nonce}.err"; flag="$t1/{nonce}.timeout"; group="$t1/{nonce}.group"
 cd {q(workdir)} 2>/dev/null || cd /
+# The watchdog is forked before the command: a command that takes every process the sandbox may
+# have (a fork bomb) would otherwise leave no process for it, and the call would hang past the
+# deadline. It learns the command's group from a file written right after the command's fork.
+setsid bash -c 'sleep "$1"; : >"$2"; read -r g <"$3" && kill -KILL -- -"$g"' t1jax-watchdog \
+  {timeout_sec:.3f} "$flag" "$group" </dev/null >/dev/null 2>&1 3>&- &
+dog=$!
 setsid bash -c {q(command)} </dev/null >"$out" 2>"$err" 3>&- &
 child=$!
+echo "$child" >"$group"
 echo "$child" >>"$t1/groups"
-setsid bash -c 'sleep "$1"; : >"$2"; kill -KILL -- -"$3"' t1jax-watchdog {timeout_sec:.3f} "$flag" "$child" \
-  </dev/null >/dev/null 2>&1 3>&- &
-dog=$!
 wait "$child"; rc=$?
 kill -KILL -- -"$dog" "$dog"  # the pid too, in case it has not reached setsid() yet
 timed=0; [ -e "$flag" ] && timed=1
@@ -121,7 +125,7 @@ t1emit() {{
 t1emit "$osz" "$out"
 printf '\\nT1JAX_END_{nonce} %s %s %s %s\\n' "$rc" "$timed" "$osz" "$esz"
 t1emit "$esz" "$err" >&3
-rm -f "$out" "$err" "$flag"
+rm -f "$out" "$err" "$flag" "$group"
 """.encode()
 
 

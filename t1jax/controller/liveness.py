@@ -50,7 +50,7 @@ class Liveness:
         grace_sec: float,
         period_sec: float,
         deadline_sec: float,
-        on_failure: Callable[[str, str], None] | None = None,
+        on_failure: Callable[[ComponentUnresponsive], None] | None = None,
         on_stuck: Callable[[ComponentUnresponsive], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -110,10 +110,12 @@ class Liveness:
         while not self._stop.is_set():
             failure = self.check_once()
             if failure is not None:
-                self.failure = failure
                 log.error("liveness: %s", failure)
                 if self._on_failure is not None:
-                    self._on_failure(failure.component, str(failure))
+                    self._on_failure(failure)
+                # Published after the report: the controller's wait points raise on it, and its
+                # own final status must land after the one `on_failure` wrote.
+                self.failure = failure
                 # The controller has one more deadline to notice at a wait point.
                 if not self._acknowledged.wait(self.deadline_sec) and not self._stop.is_set():
                     log.error("liveness: the controller is stuck behind the %s; exiting", failure.component)

@@ -45,7 +45,7 @@ from typing import Any
 from t1jax.controller.config import RunConfig, resolve_path
 from t1jax.controller.display import Display, DisplayState
 from t1jax.controller.liveness import ComponentUnresponsive, Liveness, Probe
-from t1jax.controller.rundir import RunDir
+from t1jax.controller.rundir import RunDir, status_error
 
 log = logging.getLogger("t1jax.train")
 
@@ -131,9 +131,7 @@ class Controller:
             self.run_dir.set_status("interrupted", step=self.completed_step)
             return EXIT_OK
         except BaseException as error:
-            self.run_dir.set_status(
-                "failed", step=self.completed_step, error=f"{type(error).__name__}: {error}"
-            )
+            self.run_dir.set_status("failed", step=self.completed_step, error=status_error(error))
             raise
         finally:
             self._close()
@@ -244,7 +242,9 @@ class Controller:
             grace_sec=liveness.probe_grace_sec,
             period_sec=liveness.probe_period_sec,
             deadline_sec=liveness.probe_deadline_sec,
-            on_failure=lambda component, message: self.run_dir.set_status("failed", error=message),
+            on_failure=lambda failure: self.run_dir.set_status(
+                "failed", step=self.completed_step, error=status_error(failure)
+            ),
             on_stuck=lambda failure: self._close(),
         ).start()
         self._closers.insert(0, self.liveness.stop)

@@ -122,6 +122,13 @@ class RunDir:
             self._writer = None
 
 
+def status_error(error: BaseException) -> str:
+    """The `error` field of a failed run's status: the exception's class, then its message. One
+    form whichever thread writes it (the liveness thread on a hung component, the controller on
+    the exception it raises), so a reader can match on the class."""
+    return f"{type(error).__name__}: {error}"
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a run's metrics.jsonl (a run directory or the file itself)."""
     path = Path(path)

@@ -53,12 +53,18 @@ def test_a_hung_probe_is_named_and_a_failing_one_reports_its_error():
 
 def test_probes_wait_for_their_grace_then_report_once():
     reported = []
+
+    def report(failure):
+        # The controller raises once `failure` is published; its final status must come after this
+        # report (a report landing later overwrote it: CI, stop 21).
+        reported.append((failure.component, liveness.failure))
+
     liveness = Liveness(
         [Probe("sampler", lambda deadline: (_ for _ in ()).throw(TimeoutError("late")))],
         grace_sec=0.3,
         period_sec=0.05,
         deadline_sec=0.5,
-        on_failure=lambda component, message: reported.append(component),
+        on_failure=report,
     ).start()
     time.sleep(0.15)
     assert liveness.checks == 0  # still inside the grace
@@ -69,7 +75,7 @@ def test_probes_wait_for_their_grace_then_report_once():
     with pytest.raises(ComponentUnresponsive, match="sampler is unresponsive: TimeoutError: late"):
         liveness.raise_if_failed()
     liveness.stop()
-    assert reported == ["sampler"]
+    assert reported == [("sampler", None)]  # reported before it was published
 
 
 def _trial(index, category, difficulty, fate, turns=0) -> FinishedTrial:
