@@ -12,6 +12,11 @@ Adam's first bias-corrected updates are m/sqrt(v) = g/|g|, so every parameter mo
 rate in the sign of one noisy gradient. On the demo's 0.6M-parameter critic (lr 3e-3) that first
 update took a warmed-up critic's explained variance from +0.22 to -0.62.
 
+`decay_updates` (default 0: no decay) lowers the rate linearly after the warm-up: update k uses
+the warm-up's rate times (1 - (k - 1) / decay_updates), floored at 0, so a run of exactly
+`decay_updates` updates ends at learning_rate / decay_updates. For runs of a known length (the
+demo's SFT: its epochs x steps), where annealing to 0 ends at a lower loss than a constant rate.
+
 Weight decay applies to matrices only (ndim >= 2): norms' scales and biases are not decayed, the
 usual Megatron/transformers convention (the paper does not say otherwise). Set
 `decay_vectors=True` to decay every parameter.
@@ -41,6 +46,7 @@ class OptimizerConfig:
     max_grad_norm: float = 1.0  # <= 0 disables clipping
     decay_vectors: bool = False
     warmup_updates: int = 0  # linear ramp of the rate over the first updates (0: constant)
+    decay_updates: int = 0  # linear decay of the rate to 0 over this many updates (0: none)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
@@ -49,27 +55,32 @@ class OptimizerConfig:
             raise ValueError(f"optimizer betas must lie in [0, 1), got ({self.b1}, {self.b2})")
         if self.weight_decay < 0:
             raise ValueError(f"optimizer weight_decay must be >= 0, got {self.weight_decay}")
-        warmup = self.warmup_updates
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"optimizer warmup_updates must be an integer >= 0, got {self.warmup_updates!r}")
+        for name in ("warmup_updates", "decay_updates"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"optimizer {name} must be an integer >= 0, got {value!r}")
 
     def learning_rate_at(self, update):
         """The rate of the `update`-th update of a run (1-based): what `make_optimizer` applies
         (`update` an int, or optax's traced count + 1)."""
-        if self.warmup_updates <= 0:
-            return self.learning_rate
-        return self.learning_rate * jnp.minimum(1.0, update / self.warmup_updates)
+        rate = self.learning_rate
+        if self.warmup_updates > 0:
+            rate = rate * jnp.minimum(1.0, update / self.warmup_updates)
+        if self.decay_updates > 0:
+            rate = rate * jnp.maximum(0.0, 1.0 - (update - 1) / self.decay_updates)
+        return rate
 
 
 def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
     """clip_by_global_norm (if enabled) -> adamw(lr, b1, b2, eps, weight decay); lr constant, or
-    ramped over the first `warmup_updates` (`OptimizerConfig.learning_rate_at`)."""
+    ramped over the first `warmup_updates` and / or decayed over `decay_updates`
+    (`OptimizerConfig.learning_rate_at`)."""
 
     def decay_mask(params):
         return jax.tree.map(lambda p: config.decay_vectors or p.ndim >= 2, params)
 
     learning_rate: float | optax.Schedule = config.learning_rate
-    if config.warmup_updates > 0:
+    if config.warmup_updates > 0 or config.decay_updates > 0:
         # optax passes the count of updates already applied (0 for the first): update k = count + 1
         def learning_rate(count):
             return config.learning_rate_at(count + 1)

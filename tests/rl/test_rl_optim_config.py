@@ -57,6 +57,29 @@ def test_a_warmup_ramps_each_adam_step_by_hand():
     assert config.critic_optimizer.warmup_updates == 8 and config.actor_optimizer.warmup_updates == 0
 
 
+def test_a_decay_to_zero_lowers_each_adam_step_by_hand():
+    """decay_updates=4 after warmup_updates=2: a constant gradient's Adam step is the rate itself,
+    lr * min(1, k / 2) * (1 - (k - 1) / 4) at update k, and 0 past the decay."""
+    lr = 0.1
+    config = OptimizerConfig(
+        learning_rate=lr, weight_decay=0.0, max_grad_norm=0.0, warmup_updates=2, decay_updates=4
+    )
+    optimizer = make_optimizer(config)
+    params = {"w": jnp.array([0.0])}
+    state = optimizer.init(params)
+    steps = []
+    for _ in range(6):
+        updates, state = optimizer.update({"w": jnp.array([-3.0])}, state, params)
+        new = optax.apply_updates(params, updates)
+        steps.append(float(new["w"][0] - params["w"][0]))
+        params = new
+    expected = [lr * 0.5 * 1.0, lr * 1.0 * 0.75, lr * 0.5, lr * 0.25, 0.0, 0.0]
+    np.testing.assert_allclose(steps, expected, rtol=1e-5, atol=1e-9)
+    assert [float(config.learning_rate_at(k)) for k in range(1, 7)] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="decay_updates must be an integer >= 0"):
+        OptimizerConfig(learning_rate=lr, decay_updates=2.5)
+
+
 def test_defaults_are_the_paper_values():
     config = RLConfig()
     assert config.actor_optimizer.learning_rate == pytest.approx(1e-6)
