@@ -66,34 +66,38 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     started = time.monotonic()
 
-    def table(stages, current):
+    def table(stages, running):
         view = Table(title=f"t1jax demo -> {args.out}", show_header=True)
         view.add_column("stage")
         view.add_column("state")
         view.add_column("seconds", justify="right")
+        now = time.monotonic()
         for stage in stages:
             if stage.skipped:
                 state = "done earlier"
-            elif stage is current:
+            elif stage in running:
                 state = "running"
             elif stage.seconds:
                 state = "done"
             else:
-                state = "waiting" if current is not None else "done"
+                state = "waiting"
             view.add_row(stage.name, state, f"{stage.seconds:.0f}" if stage.seconds else "")
-        view.caption = f"elapsed {time.monotonic() - started:.0f} s"
+        view.caption = f"elapsed {now - started:.0f} s"
         return view
 
     if args.no_progress or not console.is_terminal:
+        announced: set[str] = set()
 
-        def display(stages, current):
-            if current is not None:
-                console.print(f"[demo] {current.name} (elapsed {time.monotonic() - started:.0f} s)")
+        def display(stages, running):
+            for stage in running:
+                if stage.name not in announced:
+                    announced.add(stage.name)
+                    console.print(f"[demo] {stage.name} (elapsed {time.monotonic() - started:.0f} s)")
 
         summary = demo.run(display)
     else:
         with Live(console=console, refresh_per_second=1) as live:
-            summary = demo.run(lambda stages, current: live.update(table(stages, current)))
+            summary = demo.run(lambda stages, running: live.update(table(stages, running)))
     Console().print(render_markdown(summary))
     if args.ablation:  # the ablation reports whichever way it comes out
         return 0

@@ -8,7 +8,9 @@ real sandboxes, the JAX engine, the learner, the controller and the evaluator, a
     OUT/tasks/{train,heldout}     the suite (train and held-out splits disjoint by template family)
     OUT/pretrain/checkpoint       the base: random init + copy-corpus pretraining (or OUT/base/: the
                                   random init alone, base.pretrain_steps: 0)
-    OUT/sft/                      demonstrations in real sandboxes -> masked cross-entropy (t1jax sft)
+    OUT/demonstrations/           demonstrations in real sandboxes (t1jax sft --collect-only), run
+                                  while the base model pretrains
+    OUT/sft/                      masked cross-entropy on them (t1jax sft --demonstrations)
     OUT/eval/sft-variance/        the SFT policy on a spread of train tasks, sampled as RL samples:
                                   the share of tasks whose attempts' rewards differ (RL's signal)
     OUT/warmup/                   critic warm-up: t1jax train with the actor held (§4.5)
@@ -41,7 +43,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,6 +118,20 @@ class VarianceStage:
 
 
 @dataclass(frozen=True)
+class PipelineStage:
+    """How the stages share the machine: up to `parallel` run at once, each as soon as the stages
+    it reads are complete (`run_stages`). On 2 cores a training stage keeps ~1.5 of them busy
+    (XLA:CPU's small ops) and an evaluation ~1 (sandboxes, decoding), so the base and SFT
+    evaluations run beside SFT and RL instead of after them."""
+
+    parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.parallel, bool) or not isinstance(self.parallel, int) or self.parallel < 1:
+            raise ValueError(f"pipeline.parallel must be an integer >= 1, got {self.parallel!r}")
+
+
+@dataclass(frozen=True)
 class DemoConfig:
     tasks: TasksStage = field(default_factory=TasksStage)
     base: BaseStage = field(default_factory=BaseStage)
@@ -124,6 +140,7 @@ class DemoConfig:
     rl: TrainStage = field(default_factory=TrainStage)
     eval: EvalStage = field(default_factory=EvalStage)
     variance: VarianceStage = field(default_factory=VarianceStage)
+    pipeline: PipelineStage = field(default_factory=PipelineStage)
 
 
 def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
@@ -136,7 +153,7 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
     if unknown:
         raise ConfigError(f"{path}: {unknown[0]}: unknown section (known: {', '.join(known)})")
     hints = {"tasks": TasksStage, "base": BaseStage, "sft": SftStage, "warmup": TrainStage, "rl": TrainStage,
-             "eval": EvalStage, "variance": VarianceStage}  # fmt: skip
+             "eval": EvalStage, "variance": VarianceStage, "pipeline": PipelineStage}  # fmt: skip
     sections = {name: section_from_dict(hints[name], raw.get(name), name) for name in hints}
     return DemoConfig(**sections), path.resolve().parent
 
@@ -168,14 +185,24 @@ class Stage:
     """One step of the demo: a command, where it writes, how to tell it is complete."""
 
     def __init__(
-        self, name: str, command: list[str] | None, done: Path, *, action=None, workdir: Path | None = None
+        self,
+        name: str,
+        command: list[str] | None,
+        done: Path,
+        *,
+        action=None,
+        workdir: Path | None = None,
+        needs: tuple[str, ...] = (),
     ):
         # `workdir`: what the stage writes; an incomplete one (a stage stopped midway) is removed
         # before the stage runs again, since the commands refuse a non-empty output directory.
+        # `needs`: the stages whose output this one reads; it starts only once they are complete.
         self.name, self.command, self.done, self.action = name, command, done, action
-        self.workdir = workdir
+        self.workdir, self.needs = workdir, tuple(needs)
         self.seconds = 0.0
+        self.cpu_seconds = 0.0  # user + system CPU time of the stage's process and its children
         self.skipped = False
+        self.log: Path | None = None  # where its command's output goes, once started
 
     def complete(self) -> bool:
         """The stage's output is all there: its marker file exists, and a training run's status
@@ -202,6 +229,104 @@ class Stage:
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
+
+
+def run_stages(
+    stages: list[Stage],
+    *,
+    parallel: int,
+    start: Callable[[Stage], subprocess.Popen | None],
+    on_done: Callable[[Stage], None] | None = None,
+    display: Callable[[list[Stage], list[Stage]], None] | None = None,
+    poll_sec: float = 0.25,
+) -> None:
+    """Run the incomplete stages of a pipeline, up to `parallel` at a time.
+
+    A stage whose output is already complete is skipped (`Stage.skipped`). A stage starts once
+    every stage it `needs` is complete; among the stages ready at a moment, the earlier in the list
+    starts first (the list is the pipeline's order, training before evaluations, so the critical
+    path base -> SFT -> warm-up -> RL is never held back by an evaluation that can wait).
+    `start(stage)` returns the stage's process, or None when it ran the stage to the end itself.
+    Each finished stage gets its wall seconds and the CPU seconds of its process tree
+    (`Stage.cpu_seconds`, from the kernel's account of the reaped child), then `on_done(stage)`.
+
+    On a failure (an exit status other than 0, or output that is not complete) no further stage
+    starts; the running ones finish, since their work is kept for the next run, and then a
+    RuntimeError names the first failure. On an interrupt (Ctrl-C, or any exception here) the
+    running stages get SIGTERM (`t1jax train` stops at its next safe point) before it propagates.
+    """
+    if parallel < 1:
+        raise ValueError(f"parallel must be >= 1, got {parallel}")
+    names = {stage.name for stage in stages}
+    for stage in stages:
+        missing = [need for need in stage.needs if need not in names]
+        if missing:
+            raise ValueError(f"stage {stage.name!r} needs {missing}, which are not stages of this pipeline")
+    done: set[str] = set()
+    pending: list[Stage] = []
+    for stage in stages:
+        if stage.complete():
+            stage.skipped = True
+            done.add(stage.name)
+        else:
+            pending.append(stage)
+    running: dict[int, tuple[Stage, subprocess.Popen, float]] = {}
+    failures: list[str] = []
+
+    def finish(stage: Stage, returncode: int, began: float, cpu_seconds: float) -> None:
+        stage.seconds = time.monotonic() - began
+        stage.cpu_seconds = cpu_seconds
+        if returncode == 0 and stage.complete():
+            done.add(stage.name)
+            if on_done is not None:
+                on_done(stage)
+            return
+        tail = ""
+        if stage.log is not None and stage.log.is_file():
+            tail = f"; {stage.log}: " + " | ".join(stage.log.read_text().strip().splitlines()[-5:])
+        failures.append(f"demo stage {stage.name!r} failed (exit {returncode}){tail}")
+
+    try:
+        while pending or running:
+            while not failures and len(running) < parallel:
+                ready = next((s for s in pending if all(need in done for need in s.needs)), None)
+                if ready is None:
+                    break
+                pending.remove(ready)
+                began = time.monotonic()
+                process = start(ready)
+                if process is None:
+                    finish(ready, 0, began, 0.0)
+                else:
+                    running[process.pid] = (ready, process, began)
+                if display is not None:
+                    display(stages, [stage for stage, _, _ in running.values()])
+            if not running:
+                if pending and not failures:
+                    waiting = [s.name for s in pending]
+                    raise RuntimeError(f"stages {waiting} wait for stages that did not complete")
+                break
+            time.sleep(poll_sec)
+            for pid, (stage, process, began) in list(running.items()):
+                reaped, status, usage = os.wait4(pid, os.WNOHANG)
+                if reaped == 0:
+                    continue
+                process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+                del running[pid]
+                finish(stage, process.returncode, began, usage.ru_utime + usage.ru_stime)
+                if display is not None:
+                    display(stages, [stage for stage, _, _ in running.values()])
+    except BaseException:
+        for _, process, _ in running.values():
+            process.terminate()
+        for _, process, _ in running.values():
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        raise
+    if failures:
+        raise RuntimeError(failures[0])
 
 
 class Demo:
@@ -248,16 +373,22 @@ class Demo:
                             "--families-per-category", str(c.tasks.families_per_category), *heldout_tasks],
                   tasks / "manifest.json", workdir=tasks),
             self._base_stage(),
+            # The demonstrations need no model: they run while the base model pretrains.
+            Stage("demonstrations", [*cli, "sft", "--config", str(self.path(c.sft.config)),
+                                     "--tasks", str(tasks / "train"), *self._sft_seed(), "--collect-only",
+                                     "--out", str(out / "demonstrations")],
+                  out / "demonstrations" / "summary.json", workdir=out / "demonstrations", needs=("tasks",)),
             Stage("sft", [*cli, "sft", "--config", str(self.path(c.sft.config)),
-                          "--tasks", str(tasks / "train"), *self._sft_seed(),
+                          "--demonstrations", str(out / "demonstrations"), *self._sft_seed(),
                           "--out", str(out / "sft"), "--init", str(self.base_checkpoint)],
-                  out / "sft" / "checkpoint" / "config.json", workdir=out / "sft"),
+                  out / "sft" / "checkpoint" / "config.json", workdir=out / "sft",
+                  needs=("demonstrations", "base")),
         ]  # fmt: skip
         sft = out / "sft" / "checkpoint"
         if c.variance.tasks > 0:
             job = self.eval_dir / "sft-variance"
             stages.append(Stage("sft reward variance", self._variance_command(sft, job), job / "result.json",
-                                workdir=job))  # fmt: skip
+                                workdir=job, needs=("sft",)))  # fmt: skip
         # Each campaign warms its critic up with its own reward: a critic fitted to the test-count
         # return (~0.06 here) under a binary reward that is ~always 0 makes every advantage
         # negative, and the ablation would measure the mismatch, not the reward.
@@ -266,15 +397,19 @@ class Demo:
             if warmup.name != "warmup" or name == "rl":
                 warmup_overrides = {k: v for k, v in overrides.items() if not rl_only(k)}
                 command = self._train_command(warmup.name, c.warmup, warmup_overrides, actor=sft, critic=None)
-                stages.append(Stage(warmup.name, command, warmup / "status.json", workdir=warmup))
+                stages.append(Stage(warmup.name, command, warmup / "status.json", workdir=warmup,
+                                    needs=("sft",)))  # fmt: skip
         for name, overrides in self.campaigns.items():
-            command = self._train_command(name, c.rl, overrides, actor=sft, critic=self.warmup_dir(name))
-            stages.append(Stage(name, command, out / name / "status.json", workdir=out / name))
+            warmup = self.warmup_dir(name)
+            command = self._train_command(name, c.rl, overrides, actor=sft, critic=warmup)
+            stages.append(Stage(name, command, out / name / "status.json", workdir=out / name,
+                                needs=(warmup.name,)))  # fmt: skip
         for name, checkpoint in self.checkpoints.items():
             for mode in self.modes:
                 job = self.eval_dir / f"{name}-{mode}"
                 command = self._eval_command(checkpoint, job, mode)
-                stages.append(Stage(f"eval {name} {mode}", command, job / "result.json", workdir=job))
+                stages.append(Stage(f"eval {name} {mode}", command, job / "result.json", workdir=job,
+                                    needs=("tasks", name)))  # fmt: skip
         return stages
 
     def warmup_dir(self, campaign: str) -> Path:
@@ -412,30 +547,38 @@ class Demo:
     # ---- running -----------------------------------------------------------------------------
 
     def run(self, display=None) -> dict[str, Any]:
+        """Run every incomplete stage; `display(stages, running)` is called whenever a stage
+        starts or ends (`running`: the stages running now) and once at the end with none."""
         self._check_seed()
         self.out.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         (self.logs / "demo.json").write_text(json.dumps({"seed": self.seed}) + "\n")
         stages = self.stages()
         started = time.monotonic()
-        for stage in stages:
-            if stage.complete():
-                stage.skipped = True
-                continue
-            if display is not None:
-                display(stages, stage)
-            began = time.monotonic()
-            stage.clear()
-            if stage.action is not None:
-                stage.action()
-            else:
-                self._run_command(stage)
-            stage.seconds = time.monotonic() - began
-            self._stage_seconds([stage])  # recorded now: a later stage's failure must not lose it
+        run_stages(
+            stages,
+            parallel=self.config.pipeline.parallel,
+            start=self._start_stage,
+            on_done=lambda stage: self._stage_seconds([stage]),  # a later failure must not lose it
+            display=display,
+        )
         summary = self.summarize(stages, time.monotonic() - started)
         if display is not None:
-            display(stages, None)
+            display(stages, [])
         return summary
+
+    def _start_stage(self, stage: Stage) -> subprocess.Popen | None:
+        """Start a stage: its command as a subprocess writing logs/<stage>.log (returned), or its
+        in-process action, run to the end here (None)."""
+        stage.clear()
+        if stage.action is not None:
+            stage.action()
+            return None
+        log = stage.log = self.logs / f"{stage.name.replace(' ', '-')}.log"
+        with log.open("w") as out:
+            out.write("$ " + " ".join(stage.command) + "\n")
+            out.flush()
+            return subprocess.Popen(stage.command, stdout=out, stderr=subprocess.STDOUT, env=self.env)
 
     def _check_seed(self) -> None:
         """A demo directory continues under the seed it was started with: its completed stages are
@@ -447,20 +590,6 @@ class Demo:
             if seed != self.seed:
                 raise ConfigError(f"{self.out} is a --seed {seed} demo; continue it with --seed {seed}, "
                                   f"not {self.seed} (or use another --out)")  # fmt: skip
-
-    def _run_command(self, stage: Stage) -> None:
-        log = self.logs / f"{stage.name.replace(' ', '-')}.log"
-        with log.open("w") as out:
-            out.write("$ " + " ".join(stage.command) + "\n")
-            out.flush()
-            process = subprocess.run(
-                stage.command, stdout=out, stderr=subprocess.STDOUT, env=self.env, check=False
-            )
-        if process.returncode != 0 or not stage.complete():
-            tail = log.read_text().strip().splitlines()[-5:]
-            raise RuntimeError(
-                f"demo stage {stage.name!r} failed (exit {process.returncode}); {log}: " + " | ".join(tail)
-            )
 
     # ---- the result --------------------------------------------------------------------------
 
@@ -513,6 +642,9 @@ class Demo:
             "tests_passed_verdicts": tests_verdicts,
             "sft_reward_variance": self._reward_variance(),
             "stage_seconds": seconds,
+            # with stages overlapping (pipeline.parallel), where the machine's time went
+            "stage_cpu_seconds": self._stage_cpu_seconds(stages),
+            "parallel_stages": self.config.pipeline.parallel,
             "stages_skipped": [s.name for s in stages if s.skipped],
             "total_stage_sec": round(sum(seconds.values()), 1),
             "wall_sec": round(wall_sec, 1),
@@ -527,10 +659,20 @@ class Demo:
         logs/seconds.json, a stage done earlier keeps the time recorded then."""
         path = self.logs / "seconds.json"
         recorded = json.loads(path.read_text()) if path.is_file() else {}
+        cpu_path = self.logs / "cpu_seconds.json"
+        cpu = json.loads(cpu_path.read_text()) if cpu_path.is_file() else {}
         for stage in stages:
             if not stage.skipped and stage.seconds:
                 recorded[stage.name] = round(stage.seconds, 1)
+                cpu[stage.name] = round(stage.cpu_seconds, 1)
         path.write_text(json.dumps(recorded, indent=1) + "\n")
+        cpu_path.write_text(json.dumps(cpu, indent=1) + "\n")
+        return {s.name: recorded[s.name] for s in stages if s.name in recorded}
+
+    def _stage_cpu_seconds(self, stages: list[Stage]) -> dict[str, float]:
+        """CPU seconds (user + system, the stage's whole process tree) per stage, as recorded."""
+        path = self.logs / "cpu_seconds.json"
+        recorded = json.loads(path.read_text()) if path.is_file() else {}
         return {s.name: recorded[s.name] for s in stages if s.name in recorded}
 
     def _reward_variance(self) -> dict[str, Any] | None:
@@ -628,7 +770,13 @@ def render_markdown(summary: dict[str, Any]) -> str:
         )
     lines.append("")
     lines.append("Time per stage (s): " + ", ".join(f"{k} {v}" for k, v in summary["stage_seconds"].items()))
+    cpu = summary.get("stage_cpu_seconds") or {}
+    if cpu:
+        lines.append("CPU time per stage (s): " + ", ".join(f"{k} {v}" for k, v in cpu.items()))
+    overlap = summary.get("parallel_stages", 1)
+    together = f" (up to {overlap} stages at a time)" if overlap > 1 else ""
     lines.append(
-        f"Stages total: {summary['total_stage_sec']} s; this invocation's wall time: {summary['wall_sec']} s"
+        f"Stages total: {summary['total_stage_sec']} s{together}; this invocation's wall time: "
+        f"{summary['wall_sec']} s"
     )
     return "\n".join(lines) + "\n"

@@ -13,11 +13,15 @@ Invariants:
 - Every sandbox is closed, whatever happens; a trial that fails (sandbox error, harness error)
   is recorded with its status and contributes no sample.
 - Results come back in task order (then demonstration index), whatever the thread schedule.
+- `save_samples` / `load_samples` round-trip every field of routing-free samples exactly (one
+  `.npz`: the token streams concatenated, offsets, per-sample metadata), so demonstrations
+  collected once (`t1jax sft --collect-only`) train later runs (`--demonstrations DIR`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 import threading
@@ -25,6 +29,9 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 
 from sandbox_service.contracts import SandboxProvider, Task
 from t1jax.agent.harness import HarnessConfig, run_trial, verify_trial
@@ -34,7 +41,9 @@ from t1jax.rl.reward import RewardConfig, compute_reward
 from t1jax.rollout.types import SamplingParams
 from t1jax.sft.demonstrator import Demonstrator, load_plan, script_for
 from t1jax.tito.assembler import assemble_trajectory
-from t1jax.tito.types import Sample, TrialStatus
+from t1jax.tito.types import AuditCounts, Sample, TrialStatus
+
+SAMPLES_FILE = "samples.npz"
 
 
 @dataclass(frozen=True)
@@ -171,3 +180,66 @@ def _run_one(task, trial_id, mistakes, sandboxes, sampler, tokenizer, config, ve
         task.task_id, trial_id, mistakes, trajectory.status, trajectory.detail, passed, total, score,
         samples, trajectory.num_turns, time.monotonic() - started,
     )  # fmt: skip
+
+
+def save_samples(path: str | Path, samples: Sequence[Sample]) -> None:
+    """Write routing-free samples to one `.npz` (atomically: a temporary file, then a rename)."""
+    if any(sample.routing is not None for sample in samples):
+        raise ValueError("save_samples stores demonstrations, which carry no routing")
+    path = Path(path)
+    lengths = np.array([len(sample.tokens) for sample in samples], dtype=np.int64)
+    meta = [
+        {
+            "reward": sample.reward,
+            "task_id": sample.task_id,
+            "trajectory_id": sample.trajectory_id,
+            "segment_index": sample.segment_index,
+            "policy_version": sample.policy_version,
+            "fork_index": sample.fork_index,
+            "audit": dataclasses.asdict(sample.audit),
+        }
+        for sample in samples
+    ]
+    partial = path.with_name(path.name + ".partial.npz")
+
+    def joined(field: str, dtype) -> np.ndarray:
+        if not samples:
+            return np.zeros(0, dtype)
+        return np.concatenate([getattr(sample, field) for sample in samples]).astype(dtype)
+
+    np.savez(
+        partial,
+        offsets=np.concatenate([[0], np.cumsum(lengths)]),
+        tokens=joined("tokens", np.int32),
+        loss_mask=joined("loss_mask", np.int8),
+        sampler_logprobs=joined("sampler_logprobs", np.float32),
+        meta=np.array(json.dumps(meta)),
+    )
+    partial.replace(path)
+
+
+def load_samples(path: str | Path) -> list[Sample]:
+    """The samples `save_samples` wrote, field for field."""
+    with np.load(Path(path)) as data:
+        offsets, tokens = data["offsets"], data["tokens"]
+        loss_mask, logprobs = data["loss_mask"], data["sampler_logprobs"]
+        meta = json.loads(str(data["meta"]))
+    samples = []
+    for i, record in enumerate(meta):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        samples.append(
+            Sample(
+                tokens=tokens[a:b].copy(),
+                loss_mask=loss_mask[a:b].copy(),
+                sampler_logprobs=logprobs[a:b].copy(),
+                routing=None,
+                reward=record["reward"],
+                task_id=record["task_id"],
+                trajectory_id=record["trajectory_id"],
+                segment_index=record["segment_index"],
+                policy_version=record["policy_version"],
+                audit=AuditCounts(**record["audit"]),
+                fork_index=record["fork_index"],
+            )
+        )
+    return samples

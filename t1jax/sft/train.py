@@ -2,7 +2,10 @@
 
 `run_sft(config, tasks_dir, out_dir)` is what `t1jax sft` runs:
 1. load the train split (every task must carry a demonstration plan: `t1jax tasks generate`);
-2. collect demonstrations in real sandboxes (`t1jax.sft.demos`);
+2. collect demonstrations in real sandboxes (`t1jax.sft.demos`), saved as `samples.npz`; a run
+   may stop here (`collect_only`), and a later run may start from those samples instead of
+   steps 1-2 (`demonstrations=`), so the demonstrations, which need no model, can run while a
+   base model is still training;
 3. build the actor (random init from the model preset, or a base checkpoint) and a `Learner`;
 4. `epochs` passes over the demonstration samples in seeded random order, `batch_samples`
    samples per optimizer step (packed into rows of the configured buckets);
@@ -10,9 +13,10 @@
    `t1jax.model.from_pretrained`, and by transformers).
 
 The run directory (`out_dir`) is self-describing: `config.json` (the resolved config),
-`demonstrations.jsonl` (one line per demonstrator trial), `metrics.jsonl` (one line per SFT
-step: loss, mean target probability, gradient norm, tokens, seconds), `summary.json` (counts and
-where the time went) and `checkpoint/`. Nothing already written is overwritten: `out_dir` must
+`demonstrations.jsonl` (one line per demonstrator trial) and `samples.npz` (or, trained on
+another run's demonstrations, `demonstrations_from` in the summary), `metrics.jsonl` (one line
+per SFT step: loss, mean target probability, gradient norm, learning rate, tokens, seconds),
+`summary.json` (counts and where the time went) and `checkpoint/`. Nothing already written is overwritten: `out_dir` must
 not exist or be empty.
 
 SFT trains the actor only (the critic is warmed up later on rollouts, paper §4.5); samples carry
@@ -52,6 +56,9 @@ class TrainConfig:
     row_length_buckets: tuple[int, ...] = (512, 1024)
     rows_per_micro_batch: int = 8
     learning_rate: float = 3e-3
+    # The rate falls linearly to 0 over the run's epochs x steps (`OptimizerConfig.decay_updates`)
+    # instead of staying constant.
+    decay_to_zero: bool = False
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
 
@@ -134,21 +141,26 @@ def config_record(config: SFTConfig) -> dict:
 
 def run_sft(
     config: SFTConfig,
-    tasks_dir: str | Path,
+    tasks_dir: str | Path | None,
     out_dir: str | Path,
     *,
     sandboxes=None,
     progress: Callable[[str], None] | None = None,
+    collect_only: bool = False,
+    demonstrations: str | Path | None = None,
 ) -> dict:
     """Run the whole warm start (module docstring); returns the summary. `sandboxes`: a
-    `SandboxProvider` (default: admission control over a local bubblewrap backend)."""
+    `SandboxProvider` (default: admission control over a local bubblewrap backend).
+
+    `collect_only`: steps 1-2 only; the run directory then holds the demonstrations (`samples.npz`
+    beside `demonstrations.jsonl`) for a later run. `demonstrations`: such a directory, whose
+    samples are trained on instead of collecting new ones (`tasks_dir` is then not read); its
+    harness must be this config's (the model learns that prompt)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
-    from sandbox_service.tasks import load_dataset
-    from t1jax.agent.tokenizer import load_project_tokenizer
     from t1jax.model import (
         Qwen35MoeCritic,
         Qwen35MoeForCausalLM,
@@ -160,52 +172,40 @@ def run_sft(
     from t1jax.rl.config import RLConfig
     from t1jax.rl.learner import Learner
     from t1jax.rl.optim import OptimizerConfig
-    from t1jax.sft.demos import collect_demonstrations
+    from t1jax.sft.demos import SAMPLES_FILE, save_samples
 
     say = progress or (lambda message: print(message, file=sys.stderr, flush=True))
+    if collect_only and demonstrations is not None:
+        raise ValueError("collect_only and demonstrations exclude each other")
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new --out")
-    dataset = load_dataset(tasks_dir)
-    if dataset.errors:
-        raise ValueError(f"{tasks_dir}: {len(dataset.errors)} tasks do not load; first: {dataset.errors[0]}")
-    if not dataset.tasks:
-        raise ValueError(f"{tasks_dir}: no tasks found")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(config_record(config), indent=1) + "\n")
     timings: dict[str, float] = {}
-    tokenizer = load_project_tokenizer()
 
-    # 1-2. demonstrations
+    # 1-2. demonstrations: collected now, or read from an earlier collection
     started = time.monotonic()
-    owned = sandboxes is None
-    if owned:
-        sandboxes, backend = _local_sandboxes(config.demonstrations.max_live_sandboxes)
-    demo_log = (out_dir / "demonstrations.jsonl").open("w")
-    counter = {"done": 0}
-    total_demos = len(dataset.tasks) * config.demonstrations.per_task
-
-    def on_demo(demo) -> None:
-        counter["done"] += 1
-        demo_log.write(json.dumps(demo.record()) + "\n")
-        if counter["done"] % 25 == 0 or counter["done"] == total_demos:
-            say(f"demonstrations {counter['done']}/{total_demos} ({time.monotonic() - started:.0f} s)")
-
-    try:
-        demos = collect_demonstrations(
-            list(dataset.tasks), sandboxes, tokenizer, config.harness, seed=config.seed,
-            demos_per_task=config.demonstrations.per_task, workers=config.demonstrations.workers,
-            verify=config.demonstrations.verify, on_demo=on_demo,
-        )  # fmt: skip
-    finally:
-        demo_log.close()
-        if owned:
-            sandboxes.shutdown()
-            backend.close()
+    if demonstrations is None:
+        if tasks_dir is None:
+            raise ValueError("give the tasks to demonstrate, or a directory of collected demonstrations")
+        records, samples, num_tasks = _collect(config, tasks_dir, out_dir, sandboxes, say)
+        save_samples(out_dir / SAMPLES_FILE, samples)
+    else:
+        source = Path(demonstrations)
+        records, samples, num_tasks = _collected(config, source)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(config_record(config), indent=1) + "\n")
+        say(f"demonstrations: {len(records)} from {source} ({len(samples)} samples)")
     timings["demonstrations_sec"] = time.monotonic() - started
-    samples = [s for d in demos for s in d.samples]
     if not samples:
         raise RuntimeError("no demonstration produced a sample; see demonstrations.jsonl")
+    summary = _demonstration_summary(records, samples, num_tasks)
+    if demonstrations is not None:
+        summary["demonstrations_from"] = str(Path(demonstrations).resolve())
+    if collect_only:
+        summary["timings"] = timings
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        say(f"demonstrations collected: {len(samples)} samples in {out_dir / SAMPLES_FILE}")
+        return summary
     longest = max(len(s.tokens) - 1 for s in samples)
     buckets = config.training.row_length_buckets
     if longest > buckets[-1]:
@@ -222,11 +222,14 @@ def run_sft(
         actor = Qwen35MoeForCausalLM(load_config(config.model), rngs=nnx.Rngs(config.seed))
     critic = Qwen35MoeCritic.from_actor(actor, rngs=nnx.Rngs(config.seed + 1))
     train = config.training
+    steps_per_epoch = -(-len(samples) // train.batch_samples)
+    total_steps = train.epochs * steps_per_epoch
     rl_config = RLConfig(
         actor_optimizer=OptimizerConfig(
             learning_rate=train.learning_rate,
             weight_decay=train.weight_decay,
             max_grad_norm=train.max_grad_norm,
+            decay_updates=total_steps if train.decay_to_zero else 0,
         ),
         batching=BatchingConfig(row_length_buckets=buckets, rows_per_micro_batch=train.rows_per_micro_batch),
     )
@@ -235,8 +238,6 @@ def run_sft(
 
     # 4. epochs of masked cross-entropy
     rng = random.Random(config.seed)
-    steps_per_epoch = -(-len(samples) // train.batch_samples)
-    total_steps = train.epochs * steps_per_epoch
     step = 0
     trained_tokens = 0
     with (out_dir / "metrics.jsonl").open("w") as metrics_log:
@@ -254,6 +255,7 @@ def run_sft(
                     "loss": metrics["sft/sft_loss"],
                     "mean_target_prob": metrics["sft/mean_target_prob"],
                     "grad_norm": metrics["sft/grad_norm"],
+                    "learning_rate": float(rl_config.actor_optimizer.learning_rate_at(step)),
                     "tokens": sum(len(s.tokens) for s in batch),
                     "loss_tokens": metrics["batch/loss_tokens"],
                     "padding_fraction": metrics["batch/padding_fraction"],
@@ -271,21 +273,7 @@ def run_sft(
 
     # 5. checkpoint
     save_pretrained(learner.actor_model(), out_dir / "checkpoint")
-    verified = [d for d in demos if d.total is not None]
-    summary = {
-        "tasks": len(dataset.tasks),
-        "demonstrations": len(demos),
-        "failed_demonstrations": sum(not d.samples for d in demos),
-        "demonstrations_with_mistakes": sum(bool(d.mistakes) for d in demos),
-        "steps_with_mistakes": sum(len(d.mistakes) for d in demos),
-        "verified_demonstrations": len(verified),
-        "verified_resolved_rate": (sum(bool(d.resolved) for d in verified) / len(verified))
-        if verified
-        else None,
-        "verified_mean_reward": (sum(d.reward for d in verified) / len(verified)) if verified else None,
-        "samples": len(samples),
-        "sample_tokens": int(sum(len(s.tokens) for s in samples)),
-        "loss_tokens": int(sum(s.num_loss_tokens for s in samples)),
+    summary.update({
         "sft_steps": step,
         "trained_tokens": trained_tokens,
         "final_loss": metrics["sft/sft_loss"],
@@ -293,10 +281,89 @@ def run_sft(
         "devices": [str(d) for d in jax.devices()[:1]],
         "checkpoint": str(out_dir / "checkpoint"),
         "mean_sample_tokens": float(np.mean([len(s.tokens) for s in samples])),
-    }
+    })  # fmt: skip
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     say(f"SFT done: {step} steps, checkpoint {out_dir / 'checkpoint'}")
     return summary
+
+
+def _collect(config: SFTConfig, tasks_dir, out_dir: Path, sandboxes, say) -> tuple[list[dict], list, int]:
+    """Run the demonstrations (writing config.json and demonstrations.jsonl into `out_dir`):
+    their records, their samples, the number of tasks."""
+    from sandbox_service.tasks import load_dataset
+    from t1jax.agent.tokenizer import load_project_tokenizer
+    from t1jax.sft.demos import collect_demonstrations
+
+    dataset = load_dataset(tasks_dir)
+    if dataset.errors:
+        raise ValueError(f"{tasks_dir}: {len(dataset.errors)} tasks do not load; first: {dataset.errors[0]}")
+    if not dataset.tasks:
+        raise ValueError(f"{tasks_dir}: no tasks found")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config_record(config), indent=1) + "\n")
+    started = time.monotonic()
+    owned = sandboxes is None
+    if owned:
+        sandboxes, backend = _local_sandboxes(config.demonstrations.max_live_sandboxes)
+    counter = {"done": 0}
+    total_demos = len(dataset.tasks) * config.demonstrations.per_task
+    with (out_dir / "demonstrations.jsonl").open("w") as demo_log:
+
+        def on_demo(demo) -> None:
+            counter["done"] += 1
+            demo_log.write(json.dumps(demo.record()) + "\n")
+            if counter["done"] % 25 == 0 or counter["done"] == total_demos:
+                say(f"demonstrations {counter['done']}/{total_demos} ({time.monotonic() - started:.0f} s)")
+
+        try:
+            demos = collect_demonstrations(
+                list(dataset.tasks), sandboxes, load_project_tokenizer(), config.harness, seed=config.seed,
+                demos_per_task=config.demonstrations.per_task, workers=config.demonstrations.workers,
+                verify=config.demonstrations.verify, on_demo=on_demo,
+            )  # fmt: skip
+        finally:
+            if owned:
+                sandboxes.shutdown()
+                backend.close()
+    return [d.record() for d in demos], [s for d in demos for s in d.samples], len(dataset.tasks)
+
+
+def _collected(config: SFTConfig, source: Path) -> tuple[list[dict], list, int]:
+    """An earlier collection's records, samples and task count; its harness must be `config`'s."""
+    from t1jax.sft.demos import SAMPLES_FILE, load_samples
+
+    files = [source / name for name in ("config.json", "demonstrations.jsonl", SAMPLES_FILE)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"--demonstrations {source}: no {', '.join(missing)} (collect them with t1jax sft --collect-only)"
+        )
+    theirs = json.loads(files[0].read_text()).get("harness")
+    ours = config_record(config)["harness"]
+    if theirs != ours:
+        differ = sorted(k for k in set(theirs or {}) | set(ours) if (theirs or {}).get(k) != ours.get(k))
+        raise ValueError(f"--demonstrations {source} were run with another harness (differs in {differ})")
+    records = [json.loads(line) for line in files[1].read_text().splitlines() if line.strip()]
+    return records, load_samples(files[2]), len({r["task_id"] for r in records})
+
+
+def _demonstration_summary(records: list[dict], samples: list, num_tasks: int) -> dict:
+    verified = [r for r in records if r["total"] is not None]
+    return {
+        "tasks": num_tasks,
+        "demonstrations": len(records),
+        "failed_demonstrations": sum(not r["samples"] for r in records),
+        "demonstrations_with_mistakes": sum(bool(r["mistakes"]) for r in records),
+        "steps_with_mistakes": sum(len(r["mistakes"]) for r in records),
+        "verified_demonstrations": len(verified),
+        "verified_resolved_rate": (sum(bool(r["resolved"]) for r in verified) / len(verified))
+        if verified
+        else None,
+        "verified_mean_reward": (sum(r["reward"] for r in verified) / len(verified)) if verified else None,
+        "samples": len(samples),
+        "sample_tokens": int(sum(len(s.tokens) for s in samples)),
+        "loss_tokens": int(sum(s.num_loss_tokens for s in samples)),
+    }
 
 
 def _local_sandboxes(max_live: int):

@@ -49,6 +49,7 @@ def _tiny_demo(tmp_path: Path) -> Path:
         "eval": {"concurrency": 2, "greedy": False, "sampled_attempts": 1, "max_turns": 2,
                  "max_tokens_per_turn": 16},
         "variance": {"tasks": 2, "attempts": 2},
+        "pipeline": {"parallel": 2},
     }  # fmt: skip
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(demo))
@@ -82,6 +83,7 @@ def test_demo_runs_every_stage_and_resumes(tmp_path):
     stages = [
         "tasks",
         "base",
+        "demonstrations",
         "sft",
         "sft reward variance",
         "warmup",
@@ -159,7 +161,8 @@ def test_a_second_seed_moves_every_training_and_eval_seed_but_not_the_suites(tmp
                         ("--families-per-category", suite.families_per_category)):  # fmt: skip
         assert flag(first["tasks"], name) == flag(second["tasks"], name) == str(value), name
     assert int(flag(second["base"], "--seed")) == int(flag(first["base"], "--seed")) + 1
-    assert flag(first["sft"], "--seed") is None and flag(second["sft"], "--seed") == "1"
+    for name in ("demonstrations", "sft"):  # the demonstrations' mistakes and the SFT order
+        assert flag(first[name], "--seed") is None and flag(second[name], "--seed") == "1"
     for name in ("warmup", "rl"):
         assert "run.seed=1" in second[name] and not any("run.seed" in p for p in first[name])
     for name in ("eval sft greedy", "eval rl sampled"):
@@ -185,7 +188,7 @@ def test_the_ablation_differs_only_in_reward_warm_up_included(tmp_path):
     demo = Demo(config, base_dir, tmp_path, ablation=True)
     stages = {s.name: s.command for s in demo.stages()}
     assert [n for n in stages if not n.startswith("eval")] == [
-        "tasks", "base", "sft", "sft reward variance", "warmup", "warmup-binary", "rl",
+        "tasks", "base", "demonstrations", "sft", "sft reward variance", "warmup", "warmup-binary", "rl",
         "rl-binary"]  # fmt: skip
 
     def extra(name):  # the --set overrides beyond what every campaign gets
@@ -246,6 +249,7 @@ def test_a_campaign_is_the_rl_stage_plus_its_overrides_warm_up_shared_when_it_ca
     assert [n for n in stages if not n.startswith("eval")] == [
         "tasks",
         "base",
+        "demonstrations",
         "sft",
         "sft reward variance",
         "warmup",
@@ -352,3 +356,82 @@ def test_a_comparison_whose_interval_lies_below_zero_reads_as_reversed():
     assert "- rl-a>sft (greedy): -0.102 [-0.188, -0.016] — REVERSED beyond the noise (worse)" in lines
     assert "- rl-b>sft (greedy): +0.025 [-0.050, +0.100] — NOT beyond the noise" in lines
     assert any(line.startswith("- share of tests passed, rl-a>sft") and "REVERSED" in line for line in lines)
+
+
+def _traced_stage(tmp_path: Path, name: str, *, needs=(), seconds=0.3, fail=False, burn=False):
+    """A stage whose command logs its start and end times to trace.txt and writes its marker."""
+    from t1jax.demo.driver import Stage
+
+    marker = tmp_path / f"{name}.done"
+    trace = tmp_path / "trace.txt"
+    body = (
+        "import sys, time\n"
+        f"open({str(trace)!r}, 'a').write(f'start {name} {{time.monotonic()}}\\n')\n"
+        + ("t = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n" if burn else "")
+        + f"time.sleep({seconds})\n"
+        + ("sys.exit(3)\n" if fail else f"open({str(marker)!r}, 'w').write('ok')\n")
+        + f"open({str(trace)!r}, 'a').write(f'end {name} {{time.monotonic()}}\\n')\n"
+    )
+    return Stage(name, [sys.executable, "-c", body], marker, needs=needs)
+
+
+def _trace(tmp_path: Path) -> dict[str, dict[str, float]]:
+    events: dict[str, dict[str, float]] = {}
+    for line in (tmp_path / "trace.txt").read_text().splitlines():
+        kind, name, at = line.split()
+        events.setdefault(name, {})[kind] = float(at)
+    return events
+
+
+def test_stages_start_once_what_they_read_is_done_and_at_most_parallel_at_a_time(tmp_path):
+    import subprocess as sp
+
+    from t1jax.demo.driver import run_stages
+
+    stages = [
+        _traced_stage(tmp_path, "base", seconds=0.6),
+        _traced_stage(tmp_path, "sft", needs=("base",), seconds=0.8, burn=True),
+        _traced_stage(tmp_path, "eval-base", needs=("base",), seconds=0.3),
+        _traced_stage(tmp_path, "eval-base-2", needs=("base",), seconds=0.3),
+        _traced_stage(tmp_path, "eval-sft", needs=("sft",), seconds=0.2),
+    ]
+    (tmp_path / "base.done").write_text("from an earlier run")  # complete: skipped, not rerun
+    shown = []
+    run_stages(
+        stages,
+        parallel=2,
+        start=lambda stage: sp.Popen(stage.command),
+        display=lambda all_stages, running: shown.append([s.name for s in running]),
+    )
+    events = _trace(tmp_path)
+    assert "base" not in events and stages[0].skipped
+    assert all(stage.name == "base" or (stage.complete() and stage.seconds > 0) for stage in stages)
+    assert events["eval-sft"]["start"] >= events["sft"]["end"]  # never before what it reads
+    # sft first (pipeline order), beside it the first evaluation; the second waits for a slot
+    assert shown[0] == ["sft"] and shown[1] == ["sft", "eval-base"]
+    assert max(len(running) for running in shown) == 2
+    intervals = sorted((e["start"], e["end"]) for e in events.values())
+    for at, _ in intervals:  # never three at once
+        assert sum(start <= at < end for start, end in intervals) <= 2
+    assert stages[1].cpu_seconds >= 0.25  # its process's own CPU time, from the kernel
+
+
+def test_a_failed_stage_starts_nothing_new_lets_running_ones_finish_and_is_named(tmp_path):
+    import subprocess as sp
+
+    from t1jax.demo.driver import run_stages
+
+    stages = [
+        _traced_stage(tmp_path, "sft", seconds=0.2, fail=True),
+        _traced_stage(tmp_path, "eval-base", seconds=1.0),
+        _traced_stage(tmp_path, "rl", needs=("sft",)),
+        _traced_stage(tmp_path, "eval-base-2"),
+    ]
+    done = []
+    with pytest.raises(RuntimeError, match=r"^demo stage 'sft' failed \(exit 3\)"):
+        run_stages(stages, parallel=2, start=lambda stage: sp.Popen(stage.command), on_done=done.append)
+    events = _trace(tmp_path)
+    assert set(events) == {"sft", "eval-base"}  # nothing started after the failure
+    assert "end" in events["eval-base"] and [s.name for s in done] == ["eval-base"]  # finished, kept
+    with pytest.raises(ValueError, match="needs \\['nowhere'\\]"):
+        run_stages([_traced_stage(tmp_path, "x", needs=("nowhere",))], parallel=1, start=lambda s: None)

@@ -152,7 +152,7 @@ def sft_config(tmp_path: Path) -> Path:
             "default_command_duration_sec", "prompt_profile")}, "terminal": "exec"},
         "demonstrations": {"per_task": 1, "workers": 2, "verify": True},
         "training": {"epochs": 2, "batch_samples": 4, "row_length_buckets": [1024], "rows_per_micro_batch": 2,
-                     "learning_rate": 3e-3},
+                     "learning_rate": 3e-3, "decay_to_zero": True},
     }  # fmt: skip
     path = tmp_path / "sft.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
@@ -178,22 +178,38 @@ def test_sft_cli_end_to_end(suite, toolchain, tmp_path):
     tasks = tmp_path / "tasks"
     for task_dir in sorted((suite / "train").iterdir())[:6]:
         shutil.copytree(task_dir, tasks / task_dir.name)
-    out = tmp_path / "run"
-    done = run_cli("--config", str(sft_config(tmp_path)), "--tasks", str(tasks), "--out", str(out))
+    # The two halves apart, as the demo runs them: demonstrations, then training on them.
+    demos, out = tmp_path / "demos", tmp_path / "run"
+    collected = run_cli("--config", str(sft_config(tmp_path)), "--tasks", str(tasks), "--out", str(demos),
+                        "--collect-only")  # fmt: skip
+    assert collected.returncode == 0, collected.stderr[-3000:]
+    assert "demonstrations 6/6" in collected.stderr and not (demos / "checkpoint").exists()
+    done = run_cli("--config", str(sft_config(tmp_path)), "--demonstrations", str(demos), "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "demonstrations 6/6" in done.stderr and "SFT done" in done.stderr
+    assert "demonstrations: 6 from" in done.stderr and "SFT done" in done.stderr
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["demonstrations_from"] == str(demos.resolve())
+    assert summary["samples"] == json.loads((demos / "summary.json").read_text())["samples"] == 6
     assert summary["demonstrations"] == 6 and summary["failed_demonstrations"] == 0
     assert summary["verified_demonstrations"] == 6 and 0 < summary["verified_mean_reward"]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, 5))  # 2 epochs x 6 samples / 4 per step
+    # decay_to_zero: the rate falls linearly over the run's 4 steps
+    assert [line["learning_rate"] for line in lines] == pytest.approx([3e-3, 2.25e-3, 1.5e-3, 0.75e-3])
     assert lines[-1]["loss"] < lines[0]["loss"]
-    assert len((out / "demonstrations.jsonl").read_text().splitlines()) == 6
+    assert len((demos / "demonstrations.jsonl").read_text().splitlines()) == 6
     model = from_pretrained(out / "checkpoint", dtype=jnp.float32)
     assert model.config == load_config(REPO / "configs" / "tiny_cpu.yaml")
     # Nothing already done is lost: the same --out is refused.
     again = run_cli("--config", str(sft_config(tmp_path)), "--tasks", str(tasks), "--out", str(out))
     assert again.returncode == 2 and "not empty" in again.stderr and "Traceback" not in again.stderr
+    # Demonstrations run with another harness teach another prompt: refused, naming the difference.
+    other = json.loads(sft_config(tmp_path).read_text())
+    other["harness"]["max_turns"] += 1
+    (tmp_path / "other.yaml").write_text(json.dumps(other))
+    mismatch = run_cli("--config", str(tmp_path / "other.yaml"), "--demonstrations", str(demos),
+                       "--out", str(tmp_path / "other"))  # fmt: skip
+    assert mismatch.returncode == 2 and "another harness (differs in ['max_turns'])" in mismatch.stderr
 
 
 def test_sft_cli_rejects_bad_input(tmp_path):
@@ -212,3 +228,39 @@ def test_sft_cli_rejects_bad_input(tmp_path):
     kind = run_cli("--config", str(bad), "--tasks", str(tmp_path), "--out", str(tmp_path / "o"))
     assert kind.returncode == 2 and "training.learning_rate: must be a number" in kind.stderr
     assert "Traceback" not in missing.stderr + typo.stderr + kind.stderr
+    neither = run_cli("--config", str(config), "--out", str(tmp_path / "o"))
+    assert neither.returncode == 2 and "give --tasks" in neither.stderr
+    both = run_cli("--config", str(config), "--tasks", str(tmp_path), "--demonstrations", str(tmp_path),
+                   "--out", str(tmp_path / "o"))  # fmt: skip
+    assert both.returncode == 2 and "--demonstrations replaces --tasks" in both.stderr
+    empty = run_cli("--config", str(config), "--demonstrations", str(tmp_path / "nope"),
+                    "--out", str(tmp_path / "o"))  # fmt: skip
+    assert empty.returncode == 2 and "no config.json, demonstrations.jsonl, samples.npz" in empty.stderr
+    assert not (tmp_path / "o").exists()  # nothing written by a refused run
+
+
+def test_saved_demonstration_samples_load_field_for_field(tmp_path):
+    from t1jax.sft.demos import load_samples, save_samples
+    from t1jax.tito.types import AuditCounts, Sample
+
+    rng = np.random.default_rng(0)
+    samples = []
+    for i, n in enumerate((5, 2, 9)):
+        mask = (rng.random(n) < 0.5).astype(np.int8)
+        mask[0] = 0
+        samples.append(Sample(
+            tokens=rng.integers(0, 2048, n).astype(np.int32), loss_mask=mask,
+            sampler_logprobs=-rng.random(n).astype(np.float32), routing=None, reward=0.25 * i,
+            task_id=f"suite/t{i}", trajectory_id=f"demo-{i}", segment_index=i, policy_version=0,
+            audit=AuditCounts(aligned=n, loss_tokens=int(mask.sum())), fork_index=i % 2,
+        ))  # fmt: skip
+    save_samples(tmp_path / "samples.npz", samples)
+    loaded = load_samples(tmp_path / "samples.npz")
+    assert len(loaded) == 3
+    for a, b in zip(samples, loaded, strict=True):
+        for name in ("tokens", "loss_mask", "sampler_logprobs"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+            assert getattr(a, name).dtype == getattr(b, name).dtype
+        assert (a.reward, a.task_id, a.trajectory_id, a.segment_index, a.fork_index, a.audit) == (
+            b.reward, b.task_id, b.trajectory_id, b.segment_index, b.fork_index, b.audit)  # fmt: skip
+    assert not list(tmp_path.glob("*.partial*"))
