@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, default=None, help="default: runs/<run.name>-<time>")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config key (YAML value), e.g. --set run.steps=3; repeatable",
+        help="override a config key (YAML value), e.g. --set run.steps=3; repeatable; a relative "
+             "path is read relative to the config file's directory, as in the file",
     )  # fmt: skip
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 

@@ -333,7 +333,9 @@ class Demo:
     def __init__(self, config: DemoConfig, base_dir: Path, out: Path, *, quiet: bool = False,
                  ablation: bool = False, seed: int = 0,
                  campaigns: Mapping[str, Mapping[str, Any]] | None = None):  # fmt: skip
-        self.config, self.base_dir, self.out, self.quiet = config, base_dir, Path(out), quiet
+        # Absolute: the stages' path overrides (`t1jax train --set tasks.directory=...`) are read
+        # relative to their config file's directory, not to where the demo was started.
+        self.config, self.base_dir, self.out, self.quiet = config, base_dir, Path(out).absolute(), quiet
         # `seed` is added to every training and evaluation seed (base, SFT, warm-up, RL, eval) but
         # not to the suite's: a second seed is a second run on the same held-out tasks.
         self.seed = seed

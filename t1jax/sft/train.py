@@ -16,8 +16,8 @@ The run directory (`out_dir`) is self-describing: `config.json` (the resolved co
 `demonstrations.jsonl` (one line per demonstrator trial) and `samples.npz` (or, trained on
 another run's demonstrations, `demonstrations_from` in the summary), `metrics.jsonl` (one line
 per SFT step: loss, mean target probability, gradient norm, learning rate, tokens, seconds),
-`summary.json` (counts and where the time went) and `checkpoint/`. Nothing already written is overwritten: `out_dir` must
-not exist or be empty.
+`summary.json` (counts and where the time went) and `checkpoint/`. Nothing already written is
+overwritten: `out_dir` must not exist or be empty.
 
 SFT trains the actor only (the critic is warmed up later on rollouts, paper §4.5); samples carry
 no routing, so the MoE routes freely.

@@ -116,7 +116,8 @@ def test_heldout_tasks_sets_the_count_apart_from_the_family_share():
     # every held-out family gets tasks (the category's tasks go over its families in turn)
     assert {t.family.family_id for t in heldout} == {f.family_id for f in families if f.split == "heldout"}
     # without it, the fraction sets both
-    assert sum(t.family.split == "heldout" for t in plan_tasks(families, 1260, 0, heldout_fraction=0.2)) == 252
+    planned = plan_tasks(families, 1260, 0, heldout_fraction=0.2)
+    assert sum(t.family.split == "heldout" for t in planned) == 252
     for bad in (0, 1260):
         with pytest.raises(ValueError, match="heldout_tasks"):
             plan_tasks(families, 1260, 0, heldout_tasks=bad)

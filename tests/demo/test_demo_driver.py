@@ -169,6 +169,20 @@ def test_a_second_seed_moves_every_training_and_eval_seed_but_not_the_suites(tmp
         assert int(flag(second[name], "--seed")) == int(flag(first[name], "--seed")) + 1
 
 
+def test_a_relative_out_directory_reaches_the_stages_as_an_absolute_path(tmp_path, monkeypatch):
+    # `t1jax train --set tasks.directory=...` reads a relative path against its config file's
+    # directory (configs/demo), so `make demo`'s `--out runs/demo` must not reach it relative.
+    from t1jax.demo.driver import Demo
+
+    monkeypatch.chdir(tmp_path)
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    stages = {s.name: s.command for s in Demo(config, base_dir, Path("runs/demo")).stages()}
+    for name in ("warmup", "rl"):
+        overrides = [part for part in stages[name] if part.startswith(("tasks.directory=", "model."))]
+        assert overrides and all(Path(part.split("=", 1)[1]).is_absolute() for part in overrides), name
+        assert str(tmp_path / "runs" / "demo" / "tasks" / "train") in " ".join(stages[name])
+
+
 def test_share_of_tests_passed_is_per_task_mean_of_each_trials_share(tmp_path):
     from t1jax.demo.driver import _test_fractions
 
