@@ -35,18 +35,23 @@ out.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from t1jax.controller.config import ConfigError, resolve_path, section_from_dict
 from t1jax.yamlio import load_yaml
@@ -98,12 +103,9 @@ class EvalStage:
     temperature: float = 0.1
     top_p: float = 0.95
     top_k: int = 20
-    max_turns: int = 8
-    max_tokens_per_turn: int = 96
-    context_window: int = 1024
-    terminal: str = "exec"  # as the SFT demonstrations and the RL harness
-    prompt_profile: str = "compact"
     seed: int = 0
+    # The harness is not set here: every checkpoint is evaluated under the rl stage's run config's
+    # (`t1jax eval --harness`), which is the SFT config's (checked), the one the policies learnt.
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,25 @@ class Stage:
                 entry.unlink()
 
 
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """SIGTERM (`kill`, a job scheduler, `make` stopped) raises KeyboardInterrupt while this holds,
+    so the running stages are stopped as on Ctrl-C instead of left running without their driver.
+    Only the main thread can take signals; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_stages(
     stages: list[Stage],
     *,
@@ -348,6 +369,7 @@ class Demo:
         # the demo's rl stage plus its overrides; checked now, before any stage runs.
         for name, overrides in (campaigns or {}).items():
             self.campaigns[name] = self._checked_campaign(name, dict(overrides))
+        self._check_one_harness()
         self.logs = self.out / "logs"
         self.env = {
             **os.environ,
@@ -434,6 +456,10 @@ class Demo:
             raise ConfigError(f"campaign {name!r}: already a campaign of this demo")
         if not overrides:
             raise ConfigError(f"campaign {name!r}: give it at least one KEY=VALUE (else it is the rl run)")
+        harness = sorted(key for key in overrides if key.startswith("harness."))
+        if harness:
+            raise ConfigError(f"campaign {name!r}: {harness[0]}: a campaign keeps the harness SFT taught "
+                              f"(every checkpoint is evaluated under it)")  # fmt: skip
         stage = self.config.rl
         try:
             merged = {**stage.overrides, **overrides}
@@ -507,11 +533,42 @@ class Demo:
         e = self.config.eval
         command = [sys.executable, "-m", "t1jax.cli", "eval", "--tasks", str(tasks),
                    "--checkpoint", str(checkpoint), "--out", str(job), "--concurrency", str(e.concurrency),
-                   "--max-turns", str(e.max_turns), "--no-progress",
-                   "--context-window", str(e.context_window),
-                   "--max-tokens-per-turn", str(e.max_tokens_per_turn), "--terminal", e.terminal,
-                   "--prompt-profile", e.prompt_profile, "--seed", str(e.seed + self.seed)]  # fmt: skip
+                   "--harness", str(self.eval_harness_file), "--no-progress",
+                   "--seed", str(e.seed + self.seed)]  # fmt: skip
         return command
+
+    # What a policy learns of its harness (the prompt, the terminal, the command deadlines, how
+    # output is cut): SFT's and RL's must agree. Budgets (turns, tokens, context) may differ.
+    LEARNT_HARNESS_FIELDS = ("prompt_profile", "terminal", "default_command_duration_sec",
+                             "max_command_duration_sec", "max_output_bytes")  # fmt: skip
+
+    def _rl_harness(self) -> dict[str, Any]:
+        """The rl stage's harness section, its overrides applied: the one every checkpoint is
+        evaluated under (`eval/harness.yaml`, `t1jax eval --harness`)."""
+        from t1jax.controller.config import load_run_config
+        from t1jax.eval.cli import HARNESS_FIELDS
+
+        rl = load_run_config(self.path(self.config.rl.config), overrides=dict(self.config.rl.overrides),
+                             check_paths=False).harness  # fmt: skip
+        return {name: value for name, value in dataclasses.asdict(rl).items() if name in HARNESS_FIELDS}
+
+    @property
+    def eval_harness_file(self) -> Path:
+        return self.eval_dir / "harness.yaml"
+
+    def _check_one_harness(self) -> None:
+        """A ConfigError naming the first field a policy learns of its harness where sft.yaml and
+        the rl stage differ: the RL policy, and every evaluation, must see the harness SFT taught."""
+        from t1jax.sft.train import load_sft_config
+
+        rl = self._rl_harness()
+        sft = load_sft_config(self.path(self.config.sft.config)).harness
+        for name in self.LEARNT_HARNESS_FIELDS:
+            if rl[name] != getattr(sft, name):
+                raise ConfigError(
+                    f"harness.{name}: {self.config.sft.config} has {getattr(sft, name)!r} and the rl "
+                    f"stage {rl[name]!r}; RL and the evaluations must run under the harness SFT taught"
+                )
 
     def _sft_seed(self) -> list[str]:
         if not self.seed:
@@ -554,16 +611,19 @@ class Demo:
         self._check_seed()
         self.out.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
+        self.eval_dir.mkdir(exist_ok=True)
+        self.eval_harness_file.write_text(yaml.safe_dump({"harness": self._rl_harness()}, sort_keys=False))
         (self.logs / "demo.json").write_text(json.dumps({"seed": self.seed}) + "\n")
         stages = self.stages()
         started = time.monotonic()
-        run_stages(
-            stages,
-            parallel=self.config.pipeline.parallel,
-            start=self._start_stage,
-            on_done=lambda stage: self._stage_seconds([stage]),  # a later failure must not lose it
-            display=display,
-        )
+        with terminate_as_interrupt():
+            run_stages(
+                stages,
+                parallel=self.config.pipeline.parallel,
+                start=self._start_stage,
+                on_done=lambda stage: self._stage_seconds([stage]),  # a later failure must not lose it
+                display=display,
+            )
         summary = self.summarize(stages, time.monotonic() - started)
         if display is not None:
             display(stages, [])

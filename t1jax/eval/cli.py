@@ -40,17 +40,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     decoding.add_argument("--top-p", type=float, default=0.95)
     decoding.add_argument("--top-k", type=int, default=20)
     decoding.add_argument("--seed", type=int, default=0)
-    harness = parser.add_argument_group("harness")
-    harness.add_argument("--max-turns", type=int, default=60)
-    harness.add_argument(
-        "--context-window", type=int, default=96_000, help="tokens (capped by the model's positions)"
+    harness = parser.add_argument_group(
+        "harness (defaults: the paper's evaluation harness, or the --harness file's; a flag overrides both)"
     )
-    harness.add_argument("--max-tokens-per-turn", type=int, default=8192)
+    harness.add_argument(
+        "--harness", type=Path, default=None, metavar="CONFIG",
+        help="a t1jax train / t1jax sft config (YAML) whose harness section is the one the policy "
+             "was trained in: evaluate under the same prompt, limits and command deadlines",
+    )  # fmt: skip
+    harness.add_argument("--max-turns", type=int, default=None, help="default 60")
+    harness.add_argument(
+        "--context-window",
+        type=int,
+        default=None,
+        help="tokens (capped by the model's positions); default 96000",
+    )
+    harness.add_argument("--max-tokens-per-turn", type=int, default=None, help="default 8192")
     harness.add_argument("--agent-timeout", type=float, default=None, help="seconds (default: each task's)")
-    harness.add_argument("--terminal", choices=("tmux", "exec"), default="tmux")
+    harness.add_argument("--terminal", choices=("tmux", "exec"), default=None, help="default tmux")
     harness.add_argument(
-        "--prompt-profile", default="full", help="system prompt: full | compact (the one the model learnt)"
-    )
+        "--prompt-profile", default=None,
+        help="system prompt: full (default) | compact (the one the model learnt)",
+    )  # fmt: skip
     model = parser.add_argument_group("model")
     model.add_argument(
         "--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)"
@@ -96,15 +107,61 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
-        max_turns=args.max_turns,
-        context_window=args.context_window,
-        max_tokens_per_turn=args.max_tokens_per_turn,
-        agent_timeout_sec=args.agent_timeout,
-        terminal=args.terminal,
-        prompt_profile=args.prompt_profile,
         task_sample=args.task_sample,
+        **harness_settings(args),
     )
+    try:  # the harness's own checks, now rather than at the first trial
+        eval_harness(settings, settings.context_window, scripted=True)
+    except (TypeError, ValueError) as error:
+        where = f"--harness {args.harness}: " if args.harness is not None else ""
+        raise UsageError(f"{where}{error}") from None
     return evaluate(settings, args)
+
+
+# `HarnessConfig` fields an evaluation takes from a --harness file (the EvalSettings fields of the
+# same names); a run config's `sampler_timeout_sec` is how long a hung sampler is waited for, which
+# decides no result, so it is accepted and not used.
+HARNESS_FIELDS = ("max_turns", "max_tokens_per_turn", "context_window", "min_turn_tokens",
+                  "observation_reserve_tokens", "compaction", "summary_max_tokens", "max_compactions",
+                  "max_output_bytes", "default_command_duration_sec", "max_command_duration_sec",
+                  "agent_timeout_sec", "terminal", "prompt_profile")  # fmt: skip
+_FLAGS = {"max_turns": "max_turns", "max_tokens_per_turn": "max_tokens_per_turn",
+          "context_window": "context_window", "agent_timeout_sec": "agent_timeout",
+          "terminal": "terminal", "prompt_profile": "prompt_profile"}  # fmt: skip
+
+
+def harness_settings(args: argparse.Namespace) -> dict:
+    """The evaluation's harness fields: the --harness file's `harness:` section, each flag given
+    on the command line over it, EvalSettings' defaults (the paper's harness) for the rest.
+    A file that cannot be read, or has no harness section, is a UsageError naming it."""
+    fields: dict = {}
+    if args.harness is not None:
+        fields = read_harness_file(args.harness)
+    for name, flag in _FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            fields[name] = value
+    return fields
+
+
+def read_harness_file(path: Path) -> dict:
+    import yaml
+
+    from t1jax.cli import UsageError
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise UsageError(
+            f"--harness {path}: cannot read it ({type(error).__name__}: {error})".splitlines()[0]
+        ) from None
+    section = data.get("harness") if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        raise UsageError(f"--harness {path}: no harness section (a t1jax train or t1jax sft config has one)")
+    unknown = sorted(set(section) - set(HARNESS_FIELDS) - {"sampler_timeout_sec"})
+    if unknown:
+        raise UsageError(f"--harness {path}: harness.{unknown[0]} is not a harness setting")
+    return {name: value for name, value in section.items() if name in HARNESS_FIELDS}
 
 
 def evaluate(settings, args: argparse.Namespace) -> int:
@@ -167,21 +224,7 @@ class Agent:
             self._book.register(spec.trial_id, spec.task)
 
     def harness(self, settings):
-        from t1jax.agent.harness import HarnessConfig
-
-        max_tokens = min(settings.max_tokens_per_turn, self.context_window // 2)
-        return HarnessConfig(
-            max_turns=settings.max_turns,
-            max_tokens_per_turn=max_tokens,
-            min_turn_tokens=min(256, max_tokens),
-            context_window=self.context_window,
-            summary_max_tokens=min(2048, max(64, self.context_window // 8)),
-            compaction=self.context_window >= 8192,
-            agent_timeout_sec=settings.agent_timeout_sec,
-            terminal=settings.terminal,
-            prompt_profile=settings.prompt_profile,
-            require_routing=not self.scripted,
-        )
+        return eval_harness(settings, self.context_window, scripted=self.scripted)
 
     def __enter__(self) -> Agent:
         return self
@@ -189,6 +232,35 @@ class Agent:
     def __exit__(self, *exc) -> None:
         if self._closer is not None:
             self._closer()
+
+
+def eval_harness(settings, context_window: int, *, scripted: bool):
+    """The trials' `HarnessConfig`: the settings' harness fields, with the ones left None derived
+    from `context_window` (the settings' own, capped by the model's positions)."""
+    from t1jax.agent.harness import HarnessConfig
+
+    max_tokens = min(settings.max_tokens_per_turn, context_window // 2)
+
+    def given(value, derived):
+        return derived if value is None else value
+
+    return HarnessConfig(
+        max_turns=settings.max_turns,
+        max_tokens_per_turn=max_tokens,
+        min_turn_tokens=min(given(settings.min_turn_tokens, 256), max_tokens),
+        observation_reserve_tokens=settings.observation_reserve_tokens,
+        context_window=context_window,
+        summary_max_tokens=given(settings.summary_max_tokens, min(2048, max(64, context_window // 8))),
+        compaction=given(settings.compaction, context_window >= 8192),
+        max_compactions=settings.max_compactions,
+        max_output_bytes=settings.max_output_bytes,
+        default_command_duration_sec=settings.default_command_duration_sec,
+        max_command_duration_sec=settings.max_command_duration_sec,
+        agent_timeout_sec=settings.agent_timeout_sec,
+        terminal=settings.terminal,
+        prompt_profile=settings.prompt_profile,
+        require_routing=not scripted,
+    )
 
 
 def build_agent(settings, args) -> Agent:

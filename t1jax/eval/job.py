@@ -77,6 +77,18 @@ class EvalSettings:
     reward_scale: float = 20.0  # S of Eq. 20, for the reported test-count reward
     # Evaluate only this many of the directory's tasks, spread evenly over them (`sample_tasks`).
     task_sample: int | None = None
+    # The rest of the harness (`HarnessConfig`'s fields of the same names). A policy must be
+    # evaluated under the harness it was trained in (`t1jax eval --harness RUN_CONFIG`): a command
+    # deadline of 1 s where training allowed 10 kills a plain `rm` on a loaded machine, and a
+    # larger observation reserve ends trials earlier. None: derived from the context window.
+    default_command_duration_sec: float = 1.0
+    max_command_duration_sec: float = 60.0
+    max_output_bytes: int = 10_000
+    min_turn_tokens: int | None = None  # None: min(256, the turn's token budget)
+    observation_reserve_tokens: int = 256
+    summary_max_tokens: int | None = None  # None: an eighth of the context window, in [64, 2048]
+    compaction: bool | None = None  # None: on from an 8192-token context window
+    max_compactions: int = 8
 
     def __post_init__(self) -> None:
         if self.agent not in ("model", "oracle", "nop"):
@@ -103,9 +115,18 @@ class EvalSettings:
 
     def to_json(self) -> dict[str, Any]:
         settings = dataclasses.asdict(self)
-        if settings["task_sample"] is None:  # a job of every task reads as before this field
-            del settings["task_sample"]
+        # A field added later is left out at its default, so a job written before it reads (and
+        # resumes) as the same settings.
+        for name in _LATER_FIELDS:
+            if settings[name] == _DEFAULTS[name]:
+                del settings[name]
         return settings
+
+
+_LATER_FIELDS = ("task_sample", "default_command_duration_sec", "max_command_duration_sec",
+                 "max_output_bytes", "min_turn_tokens", "observation_reserve_tokens", "summary_max_tokens",
+                 "compaction", "max_compactions")  # fmt: skip
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EvalSettings)}
 
 
 def sample_tasks(tasks: Sequence[Task], count: int | None) -> list[Task]:

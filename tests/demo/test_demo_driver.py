@@ -46,8 +46,7 @@ def _tiny_demo(tmp_path: Path) -> Path:
         "sft": {"config": "sft.yaml"},
         "warmup": {"config": str(DEMO_CONFIGS / "warmup.yaml"), "overrides": TRAIN_OVERRIDES},
         "rl": {"config": str(DEMO_CONFIGS / "rl.yaml"), "overrides": TRAIN_OVERRIDES},
-        "eval": {"concurrency": 2, "greedy": False, "sampled_attempts": 1, "max_turns": 2,
-                 "max_tokens_per_turn": 16},
+        "eval": {"concurrency": 2, "greedy": False, "sampled_attempts": 1},
         "variance": {"tasks": 2, "attempts": 2},
         "pipeline": {"parallel": 2},
     }  # fmt: skip
@@ -183,6 +182,66 @@ def test_a_relative_out_directory_reaches_the_stages_as_an_absolute_path(tmp_pat
         assert str(tmp_path / "runs" / "demo" / "tasks" / "train") in " ".join(stages[name])
 
 
+def test_every_evaluation_runs_under_the_harness_sft_taught_and_a_mismatch_is_refused(tmp_path):
+    from t1jax.controller.config import ConfigError
+    from t1jax.demo.driver import Demo
+
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    demo = Demo(config, base_dir, tmp_path)
+    harness = tmp_path / "eval" / "harness.yaml"
+    evals = [command for name, command in ((s.name, s.command) for s in demo.stages())
+             if name.startswith(("eval", "sft reward"))]  # fmt: skip
+    assert len(evals) == 7 and all(c[c.index("--harness") + 1] == str(harness) for c in evals)
+    written = demo._rl_harness()
+    rl = yaml.safe_load((DEMO_CONFIGS / "rl.yaml").read_text())["harness"]
+    sft = yaml.safe_load((DEMO_CONFIGS / "sft.yaml").read_text())["harness"]
+    assert (
+        written.items() >= rl.items()
+        and written["default_command_duration_sec"] == sft["default_command_duration_sec"] == 10.0
+    )
+    # An SFT config that taught another command deadline than RL runs under: refused, named.
+    sft["default_command_duration_sec"] = 1.0
+    other = yaml.safe_load((DEMO_CONFIGS / "sft.yaml").read_text()) | {"harness": sft}
+    other["model"] = str(DEMO_CONFIGS / "model.yaml")
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(other))
+    demo_yaml = yaml.safe_load((DEMO_CONFIGS / "demo.yaml").read_text())
+    demo_yaml["sft"] = {"config": str(tmp_path / "sft.yaml")}
+    for section in ("base", "warmup", "rl"):
+        for key in ("preset", "config"):
+            if key in demo_yaml[section]:
+                demo_yaml[section][key] = str(DEMO_CONFIGS / demo_yaml[section][key])
+    (tmp_path / "demo.yaml").write_text(yaml.safe_dump(demo_yaml))
+    config, base_dir = load_demo_config(tmp_path / "demo.yaml")
+    with pytest.raises(
+        ConfigError, match="harness.default_command_duration_sec: .* has 1.0 and the rl stage 10.0"
+    ):
+        Demo(config, base_dir, tmp_path / "out")
+
+
+def test_sigterm_stops_the_running_stages_as_ctrl_c_does(tmp_path):
+    import os
+    import signal
+    import subprocess as sp
+    import threading
+
+    from t1jax.demo.driver import run_stages, terminate_as_interrupt
+
+    stages = [_traced_stage(tmp_path, "sft", seconds=30), _traced_stage(tmp_path, "eval", seconds=30)]
+    started = []
+
+    def start(stage):
+        process = sp.Popen(stage.command)
+        started.append(process)
+        return process
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(KeyboardInterrupt), terminate_as_interrupt():
+        run_stages(stages, parallel=2, start=start)
+    assert len(started) == 2 and all(p.poll() == -signal.SIGTERM for p in started)
+    assert signal.getsignal(signal.SIGTERM) == before  # put back
+
+
 def test_share_of_tests_passed_is_per_task_mean_of_each_trials_share(tmp_path):
     from t1jax.demo.driver import _test_fractions
 
@@ -296,7 +355,8 @@ def test_a_campaign_is_the_rl_stage_plus_its_overrides_warm_up_shared_when_it_ca
      ({"rl-binary": {"run.steps": 2}}, "already a campaign"),  # the ablation's
      ({"rl-a": {}}, "at least one KEY=VALUE"),
      ({"rl-a": {"rl.ppo.clip": 0.3}}, "unknown key(s) ['clip'] in section 'ppo'"),
-     ({"rl-a": {"run.steps": "many"}}, "run.steps: must be an integer")],
+     ({"rl-a": {"run.steps": "many"}}, "run.steps: must be an integer"),
+     ({"rl-a": {"harness.max_turns": 4}}, "harness.max_turns: a campaign keeps the harness SFT taught")],
 )  # fmt: skip
 def test_a_bad_campaign_is_refused_before_any_stage(tmp_path, campaigns, needle):
     from t1jax.controller.config import ConfigError

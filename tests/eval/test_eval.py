@@ -110,8 +110,23 @@ def test_a_task_the_backend_cannot_run_is_skipped_before_any_sandbox(tmp_path):
     text = toml.read_text().replace('name = "t1jax/hello-world"', 'name = "t1jax/needs-gpu"')
     toml.write_text(text.replace("[environment]", "[environment]\ngpus = 1"))
     out = tmp_path / "job"
-    assert main(["eval", "--tasks", str(tasks), "--out", str(out), "--no-progress", "--agent", "oracle",
-                 "--attempts", "1"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--tasks",
+                str(tasks),
+                "--out",
+                str(out),
+                "--no-progress",
+                "--agent",
+                "oracle",
+                "--attempts",
+                "1",
+            ]
+        )
+        == 0
+    )
     result = json.loads((out / "result.json").read_text())
     assert result["n_total_trials"] == 1 and result["resolved_rate"] == 1.0
     assert [s["task_id"] for s in result["skipped"]] == ["t1jax/needs-gpu"]
@@ -186,6 +201,55 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys):
     assert main(["eval", "--tasks", str(TASKS), "--agent", "nop", "--attempts", "2", "--out",
                  str(tmp_path / "a" / "job"), "--no-progress"]) == 2  # fmt: skip
     assert "holds a job with other settings (attempts differ)" in capsys.readouterr().err
+
+
+def test_the_harness_comes_from_a_training_config_and_flags_override_it(tmp_path, capsys):
+    """`--harness CONFIG`: the trials run under the harness section a policy was trained with (the
+    demo's rl.yaml: 10 s command deadlines, not the evaluation default of 1 s), a flag over it."""
+    import argparse
+
+    from t1jax.eval.cli import add_arguments, eval_harness, harness_settings
+    from t1jax.eval.job import EvalSettings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    rl = REPO / "configs" / "demo" / "rl.yaml"
+    args = parser.parse_args(
+        ["--tasks", str(TASKS), "--agent", "nop", "--harness", str(rl), "--max-turns", "3"]
+    )
+    settings = EvalSettings(tasks_dir=str(TASKS), agent="nop", **harness_settings(args))
+    harness = eval_harness(settings, settings.context_window, scripted=True)
+    assert harness.default_command_duration_sec == 10.0 and harness.max_command_duration_sec == 30.0
+    assert harness.observation_reserve_tokens == 64 and harness.min_turn_tokens == 64
+    assert (
+        harness.max_output_bytes == 1000
+        and harness.prompt_profile == "compact"
+        and harness.terminal == "exec"
+    )
+    assert harness.context_window == 1024 and not harness.compaction and harness.max_turns == 3  # the flag
+    # Without a file: the paper's evaluation harness, and a job's settings read as before the fields.
+    plain = EvalSettings(
+        tasks_dir=str(TASKS), agent="nop", **harness_settings(parser.parse_args(["--tasks", "x"]))
+    )
+    assert eval_harness(plain, plain.context_window, scripted=True).default_command_duration_sec == 1.0
+    assert "default_command_duration_sec" not in plain.to_json() and "max_output_bytes" in settings.to_json()
+    # A file without a harness section, an unknown key, a bad value: one line each, exit 2.
+    (tmp_path / "none.yaml").write_text("run: {steps: 1}\n")
+    (tmp_path / "typo.yaml").write_text("harness: {max_turn: 3}\n")
+    (tmp_path / "bad.yaml").write_text("harness: {max_turns: 0}\n")
+    for name in ("none", "typo", "bad", "missing"):
+        assert (
+            main(
+                ["eval", "--tasks", str(TASKS), "--agent", "nop", "--harness", str(tmp_path / f"{name}.yaml")]
+            )
+            == 2
+        )
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 4 and all(line.startswith("t1jax eval: error: --harness ") for line in errors), (
+        errors
+    )
+    assert "no harness section" in errors[0] and "harness.max_turn is not a harness setting" in errors[1]
+    assert "max_turns must be > 0" in errors[2] and "cannot read it" in errors[3]
 
 
 def test_intervals_resample_tasks_and_a_paired_difference_excludes_zero_only_when_it_should():
