@@ -19,6 +19,9 @@ impossible combination — is one line on stderr naming the problem and exit sta
 failure is one line and exit status 1; ``--debug`` (before or after the subcommand) shows the
 traceback instead. A subcommand signals bad input by raising `UsageError` (or `ValueError`,
 `FileNotFoundError`, which the loaders raise with the file and field named).
+
+Every subcommand, and every process it starts, shares one persistent XLA compilation cache
+(``t1jax.compilation_cache``: ``T1JAX_COMPILATION_CACHE=DIR|off``, default ``~/.cache/t1jax/xla``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import argparse
 import importlib
 import sys
 import traceback
+
+from t1jax import compilation_cache
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -51,7 +56,12 @@ class UsageError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="t1jax", description="t1jax: PPO for terminal agents in JAX")
+    parser = argparse.ArgumentParser(
+        prog="t1jax",
+        description="t1jax: PPO for terminal agents in JAX",
+        epilog=f"environment: {compilation_cache.ENV}=DIR|off chooses the XLA compilation cache every "
+        "t1jax process shares (default ~/.cache/t1jax/xla)",
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -63,8 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before the parser imports the subcommands (some import jax, which reads the cache settings
+    # from the environment once); a bad setting is reported like any other bad input, below.
+    try:
+        compilation_cache.configure()
+        cache_problem = None
+    except ValueError as error:
+        cache_problem = error
     args = build_parser().parse_args(argv)
     try:
+        if cache_problem is not None:
+            raise cache_problem
         return importlib.import_module(args.module).run(args)
     except KeyboardInterrupt:
         print(f"t1jax {args.command}: interrupted", file=sys.stderr)

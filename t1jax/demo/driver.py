@@ -371,13 +371,11 @@ class Demo:
             self.campaigns[name] = self._checked_campaign(name, dict(overrides))
         self._check_one_harness()
         self.logs = self.out / "logs"
+        # The stages share the compilation cache `t1jax.cli` configured in this environment
+        # (t1jax.compilation_cache): each compiles only what no earlier stage or run did.
         self.env = {
             **os.environ,
             "XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_force_host_platform_device_count=8"),
-            "JAX_COMPILATION_CACHE_DIR": os.environ.get(
-                "JAX_COMPILATION_CACHE_DIR", str(self.out / ".jax-cache")
-            ),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1",
         }
 
     # ---- stages ------------------------------------------------------------------------------

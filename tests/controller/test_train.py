@@ -196,7 +196,7 @@ def test_sigkill_then_sigterm_then_resume_trains_the_same_draws(reference_run, t
     config_path = tmp_path / "run.yaml"
     config_path.write_text(yaml.safe_dump(run_config(tmp_path)))
     run = tmp_path / "run"
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path.parent / "jax-cache")}
+    env = dict(os.environ)  # with the session's compilation cache (conftest): three runs compile once
     train_command = [sys.executable, "-m", "t1jax.cli", "train"]
     process = _start([*train_command, "--config", str(config_path), "--run-dir", str(run)], env)
     _wait_for_step(process, run, 1)
