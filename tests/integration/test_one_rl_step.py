@@ -219,7 +219,10 @@ NO_OP_PASSES = {"t1jax/build-steps": 2}
 @pytest.mark.parametrize(
     "num_trials, max_turns",
     [
-        pytest.param(3, 2, id="3-trials-2-turns"),
+        # Slow (136 s on 2 cores): the default suite checks the same flow through the controller
+        # (tests/controller/test_train.py: zero drift, versions, publication, staleness) and the
+        # sampler / trainer agreement in tests/rollout/test_consistency.py.
+        pytest.param(3, 2, id="3-trials-2-turns", marks=pytest.mark.slow),
         # The engine's every slot busy, and more stitched boundaries per sample.
         pytest.param(4, 4, id="4-trials-4-turns", marks=pytest.mark.slow),
     ],

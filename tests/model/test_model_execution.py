@@ -80,11 +80,23 @@ def assert_same_run(got, want, segments, *, rtol):
     [
         ExecutionConfig(attention="blockwise", attention_block_q=16, attention_block_k=32),
         ExecutionConfig(attention="blockwise"),
-        ExecutionConfig(
-            attention="splash", attention_block_q=128, attention_block_k=128, pallas_interpret=True
+        # Each Pallas kernel alone is slow (interpreted: 15-25 s each on 2 cores); the default
+        # suite runs them together (all-pallas-interpreted) and each kernel against its reference
+        # in tests/ops.
+        pytest.param(
+            ExecutionConfig(
+                attention="splash", attention_block_q=128, attention_block_k=128, pallas_interpret=True
+            ),
+            marks=pytest.mark.slow,
         ),
-        ExecutionConfig(attention="dense", gated_delta_rule_kernel="pallas", pallas_interpret=True),
-        ExecutionConfig(attention="dense", grouped_matmul_kernel="megablox", pallas_interpret=True),
+        pytest.param(
+            ExecutionConfig(attention="dense", gated_delta_rule_kernel="pallas", pallas_interpret=True),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ExecutionConfig(attention="dense", grouped_matmul_kernel="megablox", pallas_interpret=True),
+            marks=pytest.mark.slow,
+        ),
         ExecutionConfig(
             attention="splash",
             attention_block_q=128,
@@ -123,6 +135,7 @@ def repeating_model(tiny_config):
     return model
 
 
+@pytest.mark.slow  # ~60 s on 2 cores; the demo's and the tests' models run unrolled
 def test_layer_scan_matches_the_unrolled_layers(repeating_model, padded_batch):
     """Replayed routing (records indexed by layer through the scan: layer l replays what layer
     5 - l chose freely, so a mix-up of layers would change the logits)."""
