@@ -27,10 +27,11 @@ real sandboxes, the JAX engine, the learner, the controller and the evaluator, a
 
 A stage whose output is complete is not run again (re-running `make demo` continues where a
 failure stopped it). The verdict: RL beats SFT and SFT beats base on the held-out resolved rate
-beyond the evaluation noise, i.e. the 95% paired bootstrap interval over tasks of the difference
-excludes 0. `make demo`'s exit status is that verdict; extra campaigns (the ablation, --campaign)
-are reported next to it, each against SFT and against the demo's own RL, whichever way they come
-out.
+beyond the evaluation noise, i.e. the 95% paired bootstrap interval of the difference excludes 0,
+resampling held-out template *families* (the suite's manifest names each task's), not tasks: the
+tasks of one family succeed or fail together (`t1jax.eval.passk`). `make demo`'s exit status is
+that verdict; extra campaigns (the ablation, --campaign) are reported next to it, each against SFT
+and against the demo's own RL, whichever way they come out.
 """
 
 from __future__ import annotations
@@ -655,8 +656,9 @@ class Demo:
 
     def summarize(self, stages: list[Stage], wall_sec: float) -> dict[str, Any]:
         from t1jax.eval.job import per_task
-        from t1jax.eval.passk import paired_difference
+        from t1jax.eval.passk import bootstrap_interval, paired_difference
 
+        families = self._families()
         table = {}
         for name in self.checkpoints:
             for mode in self.modes:
@@ -664,9 +666,15 @@ class Demo:
                 if not result_file.is_file():
                     continue
                 result = json.loads(result_file.read_text())
+                outcomes = per_task(result_file.parent)
+                tasks = sorted(outcomes)
+                # over families, as the verdicts below (t1jax eval's own interval is over tasks)
+                interval = bootstrap_interval(
+                    [outcomes[t] for t in tasks], clusters=[families.get(t, t) for t in tasks]
+                )
                 table[f"{name}-{mode}"] = {
                     "resolved_rate": result["resolved_rate"],
-                    "ci95": result.get("resolved_rate_ci95"),
+                    "ci95": list(interval) if interval else None,
                     "pass_at_k": result["pass_at_k"],
                     "mean_test_fraction": result["mean_test_fraction"],
                     "n_trials": result["n_total_trials"],
@@ -678,12 +686,14 @@ class Demo:
                 jobs = [self.eval_dir / f"{name}-{mode}" for name in (better, worse)]
                 if not all((job / "result.json").is_file() for job in jobs):
                     continue
-                diff = paired_difference(per_task(jobs[0]), per_task(jobs[1]))
+                diff = paired_difference(per_task(jobs[0]), per_task(jobs[1]), clusters=families)
                 if diff is not None:
                     verdicts[f"{better}>{worse} ({mode})"] = {
                         "difference": diff[0], "ci95": [diff[1], diff[2]], "beyond_noise": diff[1] > 0,
                     }  # fmt: skip
-                diff = paired_difference(_test_fractions(jobs[0]), _test_fractions(jobs[1]))
+                diff = paired_difference(
+                    _test_fractions(jobs[0]), _test_fractions(jobs[1]), clusters=families
+                )
                 if diff is not None:
                     tests_verdicts[f"{better}>{worse} ({mode})"] = {
                         "difference": diff[0], "ci95": [diff[1], diff[2]], "beyond_noise": diff[1] > 0,
@@ -700,6 +710,8 @@ class Demo:
             # the same comparisons on the share of a task's tests passed: informational (the
             # verdict, and `make demo`'s exit status, are on the resolved rate, as the paper's)
             "tests_passed_verdicts": tests_verdicts,
+            # what the verdicts' bootstrap resampled
+            "resampled": f"{len(set(families.values()))} held-out families" if families else "tasks",
             "sft_reward_variance": self._reward_variance(),
             "stage_seconds": seconds,
             # with stages overlapping (pipeline.parallel), where the machine's time went
@@ -713,6 +725,14 @@ class Demo:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         (self.out / "summary.md").write_text(render_markdown(summary))
         return summary
+
+    def _families(self) -> dict[str, str]:
+        """Held-out task id -> template family, from the suite's manifest (empty without one)."""
+        manifest = self.out / "tasks" / "manifest.json"
+        if not manifest.is_file():
+            return {}
+        tasks = json.loads(manifest.read_text()).get("tasks", [])
+        return {t["task_id"]: t["family"] for t in tasks if "family" in t and t.get("split") == "heldout"}
 
     def _stage_seconds(self, stages: list[Stage]) -> dict[str, float]:
         """Seconds per stage, across re-runs: a stage run now records its time in
@@ -811,6 +831,9 @@ def render_markdown(summary: dict[str, Any]) -> str:
             f"{row['n_trials']} | {row['n_errors']} |"
         )
     lines.append("")
+    if summary["verdicts"]:
+        resampled = summary.get("resampled", "tasks")
+        lines.append(f"Paired 95% bootstrap intervals of the differences, resampling {resampled}:")
     for name, verdict in summary["verdicts"].items():
         low, high = verdict["ci95"]
         mark = _noise_mark(verdict, not_beyond="NOT beyond the noise")

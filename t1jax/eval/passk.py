@@ -1,5 +1,14 @@
 """Pass@k: the unbiased estimator over n attempts per task (Chen et al., 2021), averaged over tasks;
-and a task-level bootstrap interval for a resolved rate.
+and bootstrap intervals for a resolved rate and for the paired difference of two checkpoints.
+
+The bootstrap resamples tasks, or, given `clusters`, whole groups of tasks: tasks made from one
+template (a generated suite's family) succeed or fail together, because a policy that learnt (or
+garbled) the template's command does so on every instance; resampling such tasks one by one
+treats 4 instances of one family as 4 independent draws and makes the interval too narrow (the
+demo's held-out resolved tasks came from 2-5 of 16 families, whole families flipping between two
+RL runs). A cluster resample draws as many clusters as there are, with replacement, and takes the
+mean over the tasks they hold; with every task its own cluster it is the task bootstrap, draw for
+draw.
 
 For one task with n attempts of which c resolved, pass@k = 1 - C(n - c, k) / C(n, k): the
 probability that k attempts drawn without replacement from the n contain a resolved one. It is
@@ -9,7 +18,7 @@ bias of "resolved in any of the first k". Computed with exact integers (no float
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from math import comb
 
 
@@ -30,21 +39,25 @@ def mean_pass_at_k(counts: Iterable[tuple[int, int]], k: int) -> float | None:
 
 
 def bootstrap_interval(
-    per_task: Sequence[Sequence[float]], *, level: float = 0.95, resamples: int = 2000, seed: int = 0
+    per_task: Sequence[Sequence[float]],
+    *,
+    level: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+    clusters: Sequence[str] | None = None,
 ) -> tuple[float, float] | None:
     """A percentile bootstrap interval of the mean over tasks of each task's mean outcome,
     resampling *tasks* (attempts of one task are correlated, so trials are not independent
-    draws). Deterministic in `seed`; None without tasks."""
+    draws), or the clusters they belong to (`clusters[i]` names task i's). Deterministic in
+    `seed`; None without tasks (tasks without outcomes are left out)."""
     import numpy as np
 
-    means = np.asarray([float(np.mean(values)) for values in per_task if len(values)])
-    if not len(means):
+    kept = [i for i, values in enumerate(per_task) if len(values)]
+    if not kept:
         return None
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(means), size=(resamples, len(means)))
-    estimates = means[draws].mean(axis=1)
-    tail = (1.0 - level) / 2
-    return float(np.quantile(estimates, tail)), float(np.quantile(estimates, 1.0 - tail))
+    means = np.asarray([float(np.mean(per_task[i])) for i in kept])
+    names = [clusters[i] if clusters is not None else f"task:{i}" for i in kept]
+    return _cluster_percentiles(means, names, level, resamples, seed)
 
 
 def paired_difference(
@@ -54,19 +67,36 @@ def paired_difference(
     level: float = 0.95,
     resamples: int = 2000,
     seed: int = 0,
+    clusters: Mapping[str, str] | None = None,
 ) -> tuple[float, float, float] | None:
     """(mean, low, high) of the per-task difference mean(a[task]) - mean(b[task]) over the tasks
     both evaluated, with a percentile bootstrap interval resampling tasks (the two checkpoints
-    saw the same tasks, so the difference is paired). `low > 0` means a beats b beyond the
-    evaluation noise at `level`."""
+    saw the same tasks, so the difference is paired), or the `clusters` the tasks belong to
+    (task -> cluster name; a task not named is its own cluster). `low > 0` means a beats b beyond
+    the evaluation noise at `level`."""
     import numpy as np
 
     tasks = sorted(set(a) & set(b))
     if not tasks:
         return None
     diffs = np.asarray([float(np.mean(a[t])) - float(np.mean(b[t])) for t in tasks])
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(diffs), size=(resamples, len(diffs)))
-    estimates = diffs[draws].mean(axis=1)
+    names = [(clusters or {}).get(t, f"task:{t}") for t in tasks]
+    return (float(diffs.mean()), *_cluster_percentiles(diffs, names, level, resamples, seed))
+
+
+def _cluster_percentiles(values, names: Sequence[str], level: float, resamples: int, seed: int):
+    """Percentile interval of the mean of `values` under resampling their clusters (`names[i]`
+    is value i's) with replacement: each draw takes as many clusters as there are and the mean
+    over the values they hold. Clusters are numbered in order of first appearance, so with every
+    value its own cluster the draws are the plain bootstrap's."""
+    import numpy as np
+
+    order = {name: i for i, name in enumerate(dict.fromkeys(names))}
+    members = [order[name] for name in names]
+    sums, sizes = np.zeros(len(order)), np.zeros(len(order))
+    np.add.at(sums, members, values)
+    np.add.at(sizes, members, 1.0)
+    draws = np.random.default_rng(seed).integers(0, len(order), size=(resamples, len(order)))
+    estimates = sums[draws].sum(axis=1) / sizes[draws].sum(axis=1)
     tail = (1.0 - level) / 2
-    return float(diffs.mean()), float(np.quantile(estimates, tail)), float(np.quantile(estimates, 1.0 - tail))
+    return float(np.quantile(estimates, tail)), float(np.quantile(estimates, 1.0 - tail))

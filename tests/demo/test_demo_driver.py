@@ -509,3 +509,55 @@ def test_a_failed_stage_starts_nothing_new_lets_running_ones_finish_and_is_named
     assert "end" in events["eval-base"] and [s.name for s in done] == ["eval-base"]  # finished, kept
     with pytest.raises(ValueError, match="needs \\['nowhere'\\]"):
         run_stages([_traced_stage(tmp_path, "x", needs=("nowhere",))], parallel=1, start=lambda s: None)
+
+
+def test_the_verdicts_resample_held_out_families_not_tasks(tmp_path):
+    """RL resolves the 4 tasks of held-out family a, all of which SFT failed, and nothing else
+    changes: resampling the 16 tasks one by one calls that beyond the noise (no a task among 16
+    draws: p = 0.75^16 = 1%), but it is one family of four (no a among 4 draws: p = 0.75^4 =
+    32%), so the family bootstrap's interval reaches 0. SFT over base (one task in each of
+    families b, c, d) holds either way (only a drawn 4 times: p = 0.4%). A train family in the
+    manifest is not counted."""
+    from t1jax.demo.driver import Demo
+    from t1jax.eval.job import per_task
+    from t1jax.eval.passk import paired_difference
+
+    families = {f"suite/heldout-{f}-{i:04d}": f for f in ("a", "b", "c", "d") for i in range(4)}
+    manifest = [{"task_id": t, "family": f, "split": "heldout"} for t, f in families.items()]
+    manifest.append({"task_id": "suite/train-e-0000", "family": "e", "split": "train"})
+    for directory in ("tasks", "logs"):
+        (tmp_path / directory).mkdir()
+    (tmp_path / "tasks" / "manifest.json").write_text(json.dumps({"tasks": manifest}))
+    resolved = {
+        "base": set(),
+        "sft": {f"suite/heldout-{f}-0000" for f in "bcd"},
+        "rl": {f"suite/heldout-{f}-0000" for f in "bcd"} | {f"suite/heldout-a-{i:04d}" for i in range(4)},
+    }
+    for name, tasks in resolved.items():
+        job = tmp_path / "eval" / f"{name}-greedy"
+        for index, task in enumerate(families):
+            (job / f"trial{index}").mkdir(parents=True)
+            trial = {"task_id": task, "skipped": False, "resolved": task in tasks, "tests_passed": 1,
+                     "tests_total": 1}  # fmt: skip
+            (job / f"trial{index}" / "result.json").write_text(json.dumps(trial))
+        rate = len(tasks) / len(families)
+        (job / "result.json").write_text(json.dumps({
+            "resolved_rate": rate, "resolved_rate_ci95": [rate, rate], "pass_at_k": {"1": rate},
+            "mean_test_fraction": 1.0, "n_total_trials": len(families), "n_errors": 0,
+        }))  # fmt: skip
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    summary = Demo(config, base_dir, tmp_path).summarize([], 0.0)
+
+    rl_over_sft = summary["verdicts"]["rl>sft (greedy)"]
+    assert rl_over_sft["difference"] == pytest.approx(4 / 16)
+    assert rl_over_sft["ci95"][0] == 0.0 and not rl_over_sft["beyond_noise"]
+    by_task = paired_difference(*(per_task(tmp_path / "eval" / f"{name}-greedy") for name in ("rl", "sft")))
+    assert by_task[1] > 0  # what resampling tasks would have claimed
+    sft_over_base = summary["verdicts"]["sft>base (greedy)"]
+    assert sft_over_base["difference"] == pytest.approx(3 / 16) and sft_over_base["beyond_noise"]
+    assert summary["resampled"] == "4 held-out families"
+    # The table's intervals resample families too. SFT: k of 4 drawn families are among b, c, d
+    # (one resolved task of 4 each), k ~ Binomial(4, 3/4), rate k/16: P(k <= 0) = 0.4% and
+    # P(k <= 1) = 5.1% put the 2.5% quantile at 1/16; P(k <= 3) = 68% puts the 97.5% one at 4/16.
+    assert summary["table"]["sft-greedy"]["ci95"] == [1 / 16, 4 / 16]
+    assert "resampling 4 held-out families:" in (tmp_path / "summary.md").read_text()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -268,3 +269,24 @@ def test_intervals_resample_tasks_and_a_paired_difference_excludes_zero_only_whe
     noisy = {f"t{i}": [float(i % 2)] for i in range(12)}
     shifted = {f"t{i}": [float((i + 1) % 2)] for i in range(12)}
     assert paired_difference(noisy, shifted)[1] < 0 < paired_difference(noisy, shifted)[2]
+
+
+def test_a_cluster_bootstrap_resamples_whole_families():
+    """By hand: family A (1 task, difference 1) and family B (3 tasks, difference 0). Drawing two
+    families with replacement gives AA (mean 1, p 1/4), AB or BA (1/4, p 1/2), BB (0, p 1/4): the
+    95% interval is [0, 1] and the 30% and 70% quantiles are both 1/4. Resampling tasks one by
+    one instead almost never draws the A task four times: its interval stops well short of 1."""
+    from t1jax.eval.passk import paired_difference
+
+    better = {"a0": [1.0], "b0": [0.0], "b1": [0.0], "b2": [0.0]}
+    worse = {task: [0.0] for task in better}
+    families = {"a0": "A", "b0": "B", "b1": "B", "b2": "B"}
+    assert paired_difference(better, worse, clusters=families) == (0.25, 0.0, 1.0)
+    assert paired_difference(better, worse, clusters=families, level=0.4)[1:] == (0.25, 0.25)
+    assert paired_difference(better, worse)[2] < 1.0
+    # every task its own cluster (named or not) is the task bootstrap, draw for draw
+    rng = np.random.default_rng(1)
+    a = {f"t{i}": list(rng.random(3)) for i in range(20)}
+    b = {f"t{i}": list(rng.random(3)) for i in range(20)}
+    assert paired_difference(a, b, clusters={t: t for t in a}) == paired_difference(a, b)
+    assert paired_difference(a, b, clusters={"t0": "t0"}) == paired_difference(a, b)
