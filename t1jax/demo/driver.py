@@ -670,7 +670,7 @@ class Demo:
                 tasks = sorted(outcomes)
                 # over families, as the verdicts below (t1jax eval's own interval is over tasks)
                 interval = bootstrap_interval(
-                    [outcomes[t] for t in tasks], clusters=[families.get(t, t) for t in tasks]
+                    [outcomes[t] for t in tasks], clusters=[families.get(t, f"task:{t}") for t in tasks]
                 )
                 table[f"{name}-{mode}"] = {
                     "resolved_rate": result["resolved_rate"],
