@@ -656,9 +656,16 @@ class Demo:
 
     def summarize(self, stages: list[Stage], wall_sec: float) -> dict[str, Any]:
         from t1jax.eval.job import per_task
-        from t1jax.eval.passk import bootstrap_interval, paired_difference
+        from t1jax.eval.passk import bootstrap_interval, cluster_names, paired_difference
 
         families = self._families()
+        resolved: dict[Path, dict[str, list[float]]] = {}  # job -> per-task outcomes, read once
+
+        def outcomes(job: Path) -> dict[str, list[float]]:
+            if job not in resolved:
+                resolved[job] = per_task(job)
+            return resolved[job]
+
         table = {}
         for name in self.checkpoints:
             for mode in self.modes:
@@ -666,11 +673,11 @@ class Demo:
                 if not result_file.is_file():
                     continue
                 result = json.loads(result_file.read_text())
-                outcomes = per_task(result_file.parent)
-                tasks = sorted(outcomes)
+                per_job = outcomes(result_file.parent)
+                tasks = sorted(per_job)
                 # over families, as the verdicts below (t1jax eval's own interval is over tasks)
                 interval = bootstrap_interval(
-                    [outcomes[t] for t in tasks], clusters=[families.get(t, f"task:{t}") for t in tasks]
+                    [per_job[t] for t in tasks], clusters=cluster_names(tasks, families)
                 )
                 table[f"{name}-{mode}"] = {
                     "resolved_rate": result["resolved_rate"],
@@ -686,7 +693,7 @@ class Demo:
                 jobs = [self.eval_dir / f"{name}-{mode}" for name in (better, worse)]
                 if not all((job / "result.json").is_file() for job in jobs):
                     continue
-                diff = paired_difference(per_task(jobs[0]), per_task(jobs[1]), clusters=families)
+                diff = paired_difference(outcomes(jobs[0]), outcomes(jobs[1]), clusters=families)
                 if diff is not None:
                     verdicts[f"{better}>{worse} ({mode})"] = {
                         "difference": diff[0], "ci95": [diff[1], diff[2]], "beyond_noise": diff[1] > 0,

@@ -80,8 +80,13 @@ def paired_difference(
     if not tasks:
         return None
     diffs = np.asarray([float(np.mean(a[t])) - float(np.mean(b[t])) for t in tasks])
-    names = [(clusters or {}).get(t, f"task:{t}") for t in tasks]
+    names = cluster_names(tasks, clusters)
     return (float(diffs.mean()), *_cluster_percentiles(diffs, names, level, resamples, seed))
+
+
+def cluster_names(tasks: Sequence[str], clusters: Mapping[str, str] | None) -> list[str]:
+    """Each task's cluster: its name in `clusters`, else a cluster of its own."""
+    return [(clusters or {}).get(t, f"task:{t}") for t in tasks]
 
 
 def _cluster_percentiles(values, names: Sequence[str], level: float, resamples: int, seed: int):
