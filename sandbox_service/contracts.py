@@ -78,6 +78,9 @@ class Task:
     `tests_dir` is never visible to the agent; it is copied into the sandbox only at verify time.
     `test_script` is the verifier entry point relative to `tests_dir` for Harbor
     (`test.sh`) or relative to `source_dir` for Terminal-Bench 1.x (`run-tests.sh`).
+    `family` names the template a generated task was made from (Harbor `[metadata].family`;
+    "" when it has none): tasks of one family succeed or fail together, so an evaluation's
+    interval resamples families, and a task without one is its own.
     """
 
     task_id: str
@@ -91,6 +94,7 @@ class Task:
     difficulty: Difficulty = Difficulty.UNKNOWN
     category: str = "software_engineering"
     tags: tuple[str, ...] = ()
+    family: str = ""
     parser_name: str = "pytest"
     limits: TaskLimits = field(default_factory=TaskLimits)
     # Harbor [solution].env / [verifier].env: set for the reference solution / the verifier only.

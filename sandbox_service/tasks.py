@@ -226,6 +226,7 @@ def _load_harbor(task_dir: Path) -> Task:
         difficulty=_difficulty(metadata.get("difficulty"), toml_path, "metadata.difficulty"),
         category=_string(metadata, "category", Task.__dataclass_fields__["category"].default, toml_path),
         tags=_tags(metadata.get("tags", task_table.get("keywords", [])), toml_path, "metadata.tags"),
+        family=_family(metadata.get("family"), toml_path),
         parser_name="pytest",
         limits=_limits(agent_timeout, verifier_timeout),
         solution_env=_env_table(solution_table, toml_path, "solution.env"),
@@ -458,6 +459,14 @@ def _string(config: Mapping[str, Any], key: str, default: str, path: Path) -> st
     value = config.get(key, default)
     if not isinstance(value, str) or not value.strip():
         raise TaskLoadError(path, key, f"must be a non-empty string, got {value!r}")
+    return value.strip()
+
+
+def _family(value: Any, path: Path) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not value.strip():
+        raise TaskLoadError(path, "metadata.family", f"must be a non-empty string, got {value!r}")
     return value.strip()
 
 

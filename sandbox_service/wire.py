@@ -183,6 +183,7 @@ def task_to_json(task: Task, root: Path | None = None) -> dict[str, Any]:
         "difficulty": task.difficulty.value,
         "category": task.category,
         "tags": list(task.tags),
+        "family": task.family,
         "parser_name": task.parser_name,
         "limits": limits_to_json(task.limits),
         "solution_env": dict(task.solution_env),
@@ -265,6 +266,9 @@ def task_from_json(data: Any, root: Path) -> Task:
     tags = data.get("tags", [])
     if not isinstance(tags, list) or not all(isinstance(tag, str) for tag in tags):
         raise BadRequest("task.tags must be a list of strings")
+    family = data.get("family", "")
+    if not isinstance(family, str):
+        raise BadRequest("task.family must be a string")
     tests_dir = _path_from_json(_require(data, "tests_dir", Mapping, "task"), root, "tests_dir")
     test_script = _path_from_json(_require(data, "test_script", Mapping, "task"), root, "test_script")
     task = Task(
@@ -279,6 +283,7 @@ def task_from_json(data: Any, root: Path) -> Task:
         difficulty=_enum(Difficulty, data.get("difficulty", "unknown"), "task.difficulty"),
         category=str(data.get("category", "software_engineering")),
         tags=tuple(tags),
+        family=family,
         parser_name=str(data.get("parser_name", "pytest")),
         limits=limits_from_json(_require(data, "limits", Mapping, "task"), "task.limits"),
         solution_env=_string_map(data.get("solution_env", {}), "task.solution_env"),

@@ -15,7 +15,8 @@ second.
 - The split is by family: each category's families are divided between train and held-out, and
   every idiom of a held-out family also occurs in some train family, so held-out tasks need no
   skill the train split does not teach (new combinations and positions of the same idioms,
-  new slot values), and what RL improves on train can transfer.
+  new slot values), and what RL improves on train can transfer. Each task names its family
+  (`metadata.family`, loaded as `Task.family`), and evaluation intervals resample families.
 - Difficulty is the number of required steps (commands of the reference solution, inspection
   commands included): `metadata.required_steps`; `metadata.difficulty` buckets it
   (easy <= 2 < medium <= 4 < hard).

@@ -28,7 +28,7 @@ real sandboxes, the JAX engine, the learner, the controller and the evaluator, a
 A stage whose output is complete is not run again (re-running `make demo` continues where a
 failure stopped it). The verdict: RL beats SFT and SFT beats base on the held-out resolved rate
 beyond the evaluation noise, i.e. the 95% paired bootstrap interval of the difference excludes 0,
-resampling held-out template *families* (the suite's manifest names each task's), not tasks: the
+resampling held-out template *families* (each task's `[metadata].family`), not tasks: the
 tasks of one family succeed or fail together (`t1jax.eval.passk`). `make demo`'s exit status is
 that verdict; extra campaigns (the ablation, --campaign) are reported next to it, each against SFT
 and against the demo's own RL, whichever way they come out.
@@ -655,15 +655,18 @@ class Demo:
     # ---- the result --------------------------------------------------------------------------
 
     def summarize(self, stages: list[Stage], wall_sec: float) -> dict[str, Any]:
-        from t1jax.eval.job import per_task
-        from t1jax.eval.passk import bootstrap_interval, cluster_names, paired_difference
+        from t1jax.eval.job import per_task, task_families
+        from t1jax.eval.passk import bootstrap_interval, cluster_names, paired_difference, resampled_units
 
-        families = self._families()
         resolved: dict[Path, dict[str, list[float]]] = {}  # job -> per-task outcomes, read once
+        # task -> template family, as the held-out tasks name theirs (`Task.family`, recorded in
+        # each trial's result): every evaluation ran the same split, so their union is the split's
+        families: dict[str, str] = {}
 
         def outcomes(job: Path) -> dict[str, list[float]]:
             if job not in resolved:
                 resolved[job] = per_task(job)
+                families.update(task_families(job))
             return resolved[job]
 
         table = {}
@@ -675,7 +678,8 @@ class Demo:
                 result = json.loads(result_file.read_text())
                 per_job = outcomes(result_file.parent)
                 tasks = sorted(per_job)
-                # over families, as the verdicts below (t1jax eval's own interval is over tasks)
+                # over families, as the verdicts below (and `t1jax eval`'s own, which a result
+                # written before tasks named their family lacks)
                 interval = bootstrap_interval(
                     [per_job[t] for t in tasks], clusters=cluster_names(tasks, families)
                 )
@@ -718,7 +722,7 @@ class Demo:
             # verdict, and `make demo`'s exit status, are on the resolved rate, as the paper's)
             "tests_passed_verdicts": tests_verdicts,
             # what the verdicts' bootstrap resampled
-            "resampled": f"{len(set(families.values()))} held-out families" if families else "tasks",
+            "resampled": resampled_units(sorted({t for job in resolved.values() for t in job}), families),
             "sft_reward_variance": self._reward_variance(),
             "stage_seconds": seconds,
             # with stages overlapping (pipeline.parallel), where the machine's time went
@@ -732,14 +736,6 @@ class Demo:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         (self.out / "summary.md").write_text(render_markdown(summary))
         return summary
-
-    def _families(self) -> dict[str, str]:
-        """Held-out task id -> template family, from the suite's manifest (empty without one)."""
-        manifest = self.out / "tasks" / "manifest.json"
-        if not manifest.is_file():
-            return {}
-        tasks = json.loads(manifest.read_text()).get("tasks", [])
-        return {t["task_id"]: t["family"] for t in tasks if "family" in t and t.get("split") == "heldout"}
 
     def _stage_seconds(self, stages: list[Stage]) -> dict[str, float]:
         """Seconds per stage, across re-runs: a stage run now records its time in

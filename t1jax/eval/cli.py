@@ -391,6 +391,12 @@ def print_table(result: dict, job_dir) -> None:
         row(f"difficulty {name}", summary)
     console = Console(width=max(100, Console().width))
     console.print(table)
+    if result.get("resolved_rate_ci95"):
+        low, high = result["resolved_rate_ci95"]
+        console.print(
+            f"resolved {100 * result['resolved_rate']:.1f}%, 95% bootstrap interval "
+            f"[{100 * low:.1f}%, {100 * high:.1f}%] resampling {result['ci95_resampled']}"
+        )
     if result["errors"]:
         console.print(
             f"{len(result['errors'])} errored trials (reward 0), e.g. {result['errors'][0]['cause']}: "

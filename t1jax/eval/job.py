@@ -5,8 +5,10 @@ Job directory:
 
     JOB/config.json                 the `EvalSettings` (what decides the results) + the agent
     JOB/result.json                 aggregate: n_total_trials, n_errors, mean reward, resolved
-                                    rate, unbiased pass@k, the same per category and difficulty,
-                                    every error with its cause, every skipped task with why
+                                    rate with a bootstrap interval (over template families where
+                                    the tasks name one), unbiased pass@k, the same per category
+                                    and difficulty, every error with its cause, every skipped
+                                    task with why
     JOB/timing.json                 wall-clock facts (kept out of result.json, which a resumed
                                     job must reproduce exactly)
     JOB/<task>__attempt-<k>/result.json          one trial: fate, reward, tests, cause, timings
@@ -44,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_service.contracts import EnvironmentAudit, Task, VerifierReport
-from t1jax.eval.passk import bootstrap_interval, mean_pass_at_k
+from t1jax.eval.passk import bootstrap_interval, cluster_names, mean_pass_at_k, resampled_units
 from t1jax.rollout.types import SamplingParams
 from t1jax.runtime.records import resolved, trajectory_json
 from t1jax.runtime.scheduler import FailureCause, FinishedTrial, TrialFate, TrialScheduler, TrialSpec
@@ -181,6 +183,7 @@ def trial_result(
         "attempt": trial.spec.attempt,
         "category": task.category,
         "difficulty": task.difficulty.value,
+        "family": task.family,
         "agent": settings.agent,
         "fate": trial.fate.value,
         "skipped": skipped,
@@ -225,6 +228,7 @@ def skipped_result(task: Task, attempt: int, settings: EvalSettings, environment
         "attempt": attempt,
         "category": task.category,
         "difficulty": task.difficulty.value,
+        "family": task.family,
         "agent": settings.agent,
         "fate": TrialFate.FAILED.value,
         "skipped": True,
@@ -340,8 +344,12 @@ def aggregate(results: Iterable[Mapping[str, Any]], load_errors: Sequence[tuple[
         }
         counts = [(len(v), sum(v)) for v in per_task.values()]
         out["pass_at_k"] = {str(k): _round(mean_pass_at_k(counts, k)) for k in range(1, attempts + 1)}
-        interval = bootstrap_interval([per_task[t] for t in sorted(per_task)])
+        # over template families where the tasks name one (`Task.family`): they flip together
+        tasks = sorted(per_task)
+        families = {r["task_id"]: r["family"] for r in rows if r.get("family")}
+        interval = bootstrap_interval([per_task[t] for t in tasks], clusters=cluster_names(tasks, families))
         out["resolved_rate_ci95"] = None if interval is None else [_round(v) for v in interval]
+        out["ci95_resampled"] = resampled_units(tasks, families)
         return out
 
     def grouped(key: str) -> dict[str, Any]:
@@ -481,6 +489,16 @@ class EvalJob:
             {"finished_at": time.time(), "wall_sec_this_run": time.time() - started, "trials_run": len(todo)},
         )
         return result
+
+
+def task_families(job_dir: str | Path) -> dict[str, str]:
+    """Task id -> template family (`Task.family`) of the trials in a job directory that name one."""
+    families: dict[str, str] = {}
+    for path in sorted(Path(job_dir).glob("*/result.json")):
+        result = json.loads(path.read_text())
+        if result.get("family"):
+            families[result["task_id"]] = result["family"]
+    return families
 
 
 def per_task(job_dir: str | Path, key: str = "resolved") -> dict[str, list[float]]:

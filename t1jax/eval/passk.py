@@ -89,6 +89,21 @@ def cluster_names(tasks: Sequence[str], clusters: Mapping[str, str] | None) -> l
     return [(clusters or {}).get(t, f"task:{t}") for t in tasks]
 
 
+def resampled_units(tasks: Sequence[str], clusters: Mapping[str, str] | None) -> str:
+    """What a bootstrap over `tasks` under `clusters` draws, in words ("64 tasks", "58 families",
+    "40 families and 3 tasks without one"), for a report to say next to its interval."""
+    named = [t for t in tasks if t in (clusters or {})]
+    alone = len(tasks) - len(named)
+    if not named:
+        return _count(alone, "task", "tasks")
+    families = _count(len({clusters[t] for t in named}), "family", "families")  # type: ignore[index]
+    return families if not alone else f"{families} and {_count(alone, 'task', 'tasks')} without one"
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def _cluster_percentiles(values, names: Sequence[str], level: float, resamples: int, seed: int):
     """Percentile interval of the mean of `values` under resampling their clusters (`names[i]`
     is value i's) with replacement: each draw takes as many clusters as there are and the mean

@@ -516,18 +516,14 @@ def test_the_verdicts_resample_held_out_families_not_tasks(tmp_path):
     changes: resampling the 16 tasks one by one calls that beyond the noise (no a task among 16
     draws: p = 0.75^16 = 1%), but it is one family of four (no a among 4 draws: p = 0.75^4 =
     32%), so the family bootstrap's interval reaches 0. SFT over base (one task in each of
-    families b, c, d) holds either way (only a drawn 4 times: p = 0.4%). A train family in the
-    manifest is not counted."""
+    families b, c, d) holds either way (only a drawn 4 times: p = 0.4%). The families are the
+    ones the trials' results name (each task's `[metadata].family`)."""
     from t1jax.demo.driver import Demo
     from t1jax.eval.job import per_task
     from t1jax.eval.passk import paired_difference
 
     families = {f"suite/heldout-{f}-{i:04d}": f for f in ("a", "b", "c", "d") for i in range(4)}
-    manifest = [{"task_id": t, "family": f, "split": "heldout"} for t, f in families.items()]
-    manifest.append({"task_id": "suite/train-e-0000", "family": "e", "split": "train"})
-    for directory in ("tasks", "logs"):
-        (tmp_path / directory).mkdir()
-    (tmp_path / "tasks" / "manifest.json").write_text(json.dumps({"tasks": manifest}))
+    (tmp_path / "logs").mkdir()
     resolved = {
         "base": set(),
         "sft": {f"suite/heldout-{f}-0000" for f in "bcd"},
@@ -535,10 +531,10 @@ def test_the_verdicts_resample_held_out_families_not_tasks(tmp_path):
     }
     for name, tasks in resolved.items():
         job = tmp_path / "eval" / f"{name}-greedy"
-        for index, task in enumerate(families):
+        for index, (task, family) in enumerate(families.items()):
             (job / f"trial{index}").mkdir(parents=True)
-            trial = {"task_id": task, "skipped": False, "resolved": task in tasks, "tests_passed": 1,
-                     "tests_total": 1}  # fmt: skip
+            trial = {"task_id": task, "family": family, "skipped": False, "resolved": task in tasks,
+                     "tests_passed": 1, "tests_total": 1}  # fmt: skip
             (job / f"trial{index}" / "result.json").write_text(json.dumps(trial))
         rate = len(tasks) / len(families)
         (job / "result.json").write_text(json.dumps({
@@ -555,9 +551,9 @@ def test_the_verdicts_resample_held_out_families_not_tasks(tmp_path):
     assert by_task[1] > 0  # what resampling tasks would have claimed
     sft_over_base = summary["verdicts"]["sft>base (greedy)"]
     assert sft_over_base["difference"] == pytest.approx(3 / 16) and sft_over_base["beyond_noise"]
-    assert summary["resampled"] == "4 held-out families"
+    assert summary["resampled"] == "4 families"
     # The table's intervals resample families too. SFT: k of 4 drawn families are among b, c, d
     # (one resolved task of 4 each), k ~ Binomial(4, 3/4), rate k/16: P(k <= 0) = 0.4% and
     # P(k <= 1) = 5.1% put the 2.5% quantile at 1/16; P(k <= 3) = 68% puts the 97.5% one at 4/16.
     assert summary["table"]["sft-greedy"]["ci95"] == [1 / 16, 4 / 16]
-    assert "resampling 4 held-out families:" in (tmp_path / "summary.md").read_text()
+    assert "resampling 4 families:" in (tmp_path / "summary.md").read_text()

@@ -271,6 +271,32 @@ def test_intervals_resample_tasks_and_a_paired_difference_excludes_zero_only_whe
     assert paired_difference(noisy, shifted)[1] < 0 < paired_difference(noisy, shifted)[2]
 
 
+def test_the_job_interval_resamples_the_families_its_tasks_name():
+    """`t1jax eval`'s result.json: task a0 (family A) resolved, b0-b2 (family B) not, rate 1/4.
+    Two families drawn with replacement: AA (1), AB / BA (1/4), BB (0), so [0, 1]. Over the four
+    tasks a draw of a0 four times (p 1/256) is below the 2.5% tail: the interval stops short of 1.
+    A task that names no family is its own unit."""
+    from t1jax.eval.job import aggregate
+
+    def rows(families):
+        return [
+            {"trial_name": f"{task}__attempt-1", "task_id": task, "family": family, "skipped": False,
+             "resolved": task == "a0", "error": None, "detail": "", "reward": float(task == "a0"),
+             "tests_passed": 1, "tests_total": 1, "test_count_reward": 0.05, "category": "c",
+             "difficulty": "easy"}  # fmt: skip
+            for task, family in families.items()
+        ]
+
+    by_family = aggregate(rows({"a0": "A", "b0": "B", "b1": "B", "b2": "B"}), [], 1)
+    assert by_family["resolved_rate"] == 0.25 and by_family["resolved_rate_ci95"] == [0.0, 1.0]
+    assert by_family["ci95_resampled"] == "2 families"
+    by_task = aggregate(rows({"a0": "", "b0": "", "b1": "", "b2": ""}), [], 1)
+    assert by_task["resolved_rate_ci95"][1] < 1.0 and by_task["ci95_resampled"] == "4 tasks"
+    mixed = aggregate(rows({"a0": "", "b0": "B", "b1": "B", "b2": "B"}), [], 1)
+    assert mixed["ci95_resampled"] == "1 family and 1 task without one"
+    assert mixed["resolved_rate_ci95"] == [0.0, 1.0]  # the same two units as by family
+
+
 def test_a_cluster_bootstrap_resamples_whole_families():
     """By hand: family A (1 task, difference 1) and family B (3 tasks, difference 0). Drawing two
     families with replacement gives AA (mean 1, p 1/4), AB or BA (1/4, p 1/2), BB (0, p 1/4): the

@@ -170,10 +170,21 @@ def test_duplicate_task_ids_are_reported(tmp_path):
     assert dataset.errors[0].field == "task id" and "already used" in dataset.errors[0].message
 
 
+def test_a_task_names_its_template_family_or_none(tmp_path):
+    task_dir = shutil.copytree(HARBOR_HELLO, tmp_path / "t")
+    assert load_task(task_dir).family == ""
+    toml = (task_dir / "task.toml").read_text()
+    assert "[metadata]" in toml
+    (task_dir / "task.toml").write_text(toml.replace("[metadata]", '[metadata]\nfamily = "s02"', 1))
+    assert load_task(task_dir).family == "s02"
+
+
 def test_bad_field_types(tmp_path):
     task_dir = shutil.copytree(HARBOR_HELLO, tmp_path / "t")
     cases = {
         '[metadata]\ntags = "notalist"\n': "metadata.tags",
+        "[metadata]\nfamily = 3\n": "metadata.family",
+        '[metadata]\nfamily = " "\n': "metadata.family",
         "[environment]\nallow_internet = 1\n": "environment.allow_internet",
         '[environment]\nworkdir = "relative"\n': "environment.workdir",
         "[environment]\ncpus = 0\n": "environment.cpus",
