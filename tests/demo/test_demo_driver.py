@@ -278,8 +278,9 @@ def test_the_ablation_differs_only_in_reward_warm_up_included(tmp_path):
 
 def test_reward_variance_is_measured_on_train_tasks_as_rl_samples(tmp_path):
     """The check before RL samples the SFT policy on the train split with the RL run's own
-    sampling (temperature 1, no filters); the held-out evaluation samples with the paper's
-    protocol (temperature 0.1, top-p 0.95, top-k 20, 3 attempts)."""
+    sampling (rl.yaml's temperature, no filters), which the critic warm-up shares; the held-out
+    evaluation samples with the paper's protocol (temperature 0.1, top-p 0.95, top-k 20, 3
+    attempts)."""
     from t1jax.controller.config import load_run_config
     from t1jax.demo.driver import Demo
 
@@ -298,7 +299,8 @@ def test_reward_variance_is_measured_on_train_tasks_as_rl_samples(tmp_path):
     assert int(flag(command, "--task-sample")) == config.variance.tasks
     assert int(flag(command, "--attempts")) == config.variance.attempts
     assert command.count("--attempts") == 1
-    assert float(flag(command, "--temperature")) == sampling.temperature == 1.0
+    assert float(flag(command, "--temperature")) == sampling.temperature
+    assert load_run_config(DEMO_CONFIGS / "warmup.yaml").sampling == sampling
     assert float(flag(command, "--top-p")) == sampling.top_p
     assert int(flag(command, "--top-k")) == sampling.top_k
     held_out = stages["eval sft sampled"]
