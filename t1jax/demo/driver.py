@@ -656,7 +656,7 @@ class Demo:
 
     def summarize(self, stages: list[Stage], wall_sec: float) -> dict[str, Any]:
         from t1jax.eval.job import per_task, task_families
-        from t1jax.eval.passk import bootstrap_interval, cluster_names, paired_difference, resampled_units
+        from t1jax.eval.passk import paired_difference, resampled_units
 
         resolved: dict[Path, dict[str, list[float]]] = {}  # job -> per-task outcomes, read once
         # task -> template family, as the held-out tasks name theirs (`Task.family`, recorded in
@@ -676,16 +676,10 @@ class Demo:
                 if not result_file.is_file():
                     continue
                 result = json.loads(result_file.read_text())
-                per_job = outcomes(result_file.parent)
-                tasks = sorted(per_job)
-                # over families, as the verdicts below (and `t1jax eval`'s own, which a result
-                # written before tasks named their family lacks)
-                interval = bootstrap_interval(
-                    [per_job[t] for t in tasks], clusters=cluster_names(tasks, families)
-                )
                 table[f"{name}-{mode}"] = {
                     "resolved_rate": result["resolved_rate"],
-                    "ci95": list(interval) if interval else None,
+                    # `t1jax eval`'s own interval: over the families the tasks name, as the verdicts
+                    "ci95": result.get("resolved_rate_ci95"),
                     "pass_at_k": result["pass_at_k"],
                     "mean_test_fraction": result["mean_test_fraction"],
                     "n_trials": result["n_total_trials"],

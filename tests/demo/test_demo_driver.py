@@ -521,7 +521,7 @@ def test_the_verdicts_resample_held_out_families_not_tasks(tmp_path):
     families b, c, d) holds either way (only a drawn 4 times: p = 0.4%). The families are the
     ones the trials' results name (each task's `[metadata].family`)."""
     from t1jax.demo.driver import Demo
-    from t1jax.eval.job import per_task
+    from t1jax.eval.job import aggregate, per_task
     from t1jax.eval.passk import paired_difference
 
     families = {f"suite/heldout-{f}-{i:04d}": f for f in ("a", "b", "c", "d") for i in range(4)}
@@ -533,16 +533,17 @@ def test_the_verdicts_resample_held_out_families_not_tasks(tmp_path):
     }
     for name, tasks in resolved.items():
         job = tmp_path / "eval" / f"{name}-greedy"
+        trials = []
         for index, (task, family) in enumerate(families.items()):
             (job / f"trial{index}").mkdir(parents=True)
-            trial = {"task_id": task, "family": family, "skipped": False, "resolved": task in tasks,
-                     "tests_passed": 1, "tests_total": 1}  # fmt: skip
+            trial = {"trial_name": f"trial{index}", "task_id": task, "family": family, "skipped": False,
+                     "resolved": task in tasks, "error": None, "detail": "", "reward": float(task in tasks),
+                     "tests_passed": 1, "tests_total": 1, "test_count_reward": 0.05, "category": "c",
+                     "difficulty": "easy"}  # fmt: skip
             (job / f"trial{index}" / "result.json").write_text(json.dumps(trial))
-        rate = len(tasks) / len(families)
-        (job / "result.json").write_text(json.dumps({
-            "resolved_rate": rate, "resolved_rate_ci95": [rate, rate], "pass_at_k": {"1": rate},
-            "mean_test_fraction": 1.0, "n_total_trials": len(families), "n_errors": 0,
-        }))  # fmt: skip
+            trials.append(trial)
+        # the job's result.json as `t1jax eval` writes it from those trials
+        (job / "result.json").write_text(json.dumps(aggregate(trials, [], 1)))
     config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
     summary = Demo(config, base_dir, tmp_path).summarize([], 0.0)
 
