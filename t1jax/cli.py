@@ -1,8 +1,10 @@
 """The ``t1jax`` console entry point: one argparse parser with a subcommand per job.
 
 Each subcommand lives in its own module and contributes ``add_arguments(parser)`` and
-``run(args) -> exit code``; register it in ``SUBCOMMANDS`` (imports are lazy so that ``t1jax plan``
-does not pay for the trainer's imports and vice versa).
+``run(args) -> exit code``; register it in ``SUBCOMMANDS``. Only the module of the subcommand named
+on the command line is imported (``t1jax --help`` imports none): the planner's imports alone (jax,
+flax, the model) cost ~2 CPU seconds, which every ``t1jax tasks generate``, every demo stage and
+every bad-input check paid when the parser imported them all.
 
 - ``t1jax plan``: rank sharding plans by per-device memory (``t1jax.tools.planner``).
 - ``t1jax eval``: evaluate a checkpoint (or the oracle / no-op agent) on a task directory
@@ -55,7 +57,19 @@ class UsageError(ValueError):
     """Bad input to a CLI: reported as one line with exit status 2."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def chosen_command(argv: list[str]) -> str | None:
+    """The subcommand `argv` names: its first argument that is not an option (the only option
+    before a subcommand is ``--debug``), if that is a registered subcommand."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in SUBCOMMANDS else None
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for `argv` (default: ``sys.argv[1:]``): every subcommand is listed with its help,
+    and only the one `argv` names has its arguments (its module imported)."""
+    chosen = chosen_command(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="t1jax",
         description="t1jax: PPO for terminal agents in JAX",
@@ -67,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        importlib.import_module(module_name).add_arguments(sub)
+        if name == chosen:
+            importlib.import_module(module_name).add_arguments(sub)
         sub.set_defaults(module=module_name)
     return parser
 
@@ -80,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_problem = None
     except ValueError as error:
         cache_problem = error
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         if cache_problem is not None:
             raise cache_problem
