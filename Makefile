@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Tests and benchmarks see 8 fake CPU devices unless the caller already chose.
+# Tests and benchmarks see 8 fake CPU devices unless the caller already chose (the demo gives its
+# stages only the CPU devices its configs use: t1jax.demo.driver.host_device_flags).
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 PYTEST_WORKERS ?= 2
 
