@@ -198,6 +198,11 @@ def rl_only(key: str) -> bool:
     return any(key == prefix or key.startswith(prefix + ".") for prefix in RL_ONLY_OVERRIDES)
 
 
+def warmup_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a campaign's overrides its critic warm-up runs with: all but the RL-only ones."""
+    return {key: value for key, value in overrides.items() if not rl_only(key)}
+
+
 class Stage:
     """One step of the demo: a command, where it writes, how to tell it is complete."""
 
@@ -431,8 +436,8 @@ class Demo:
         for name, overrides in self.campaigns.items():
             warmup = self.warmup_dir(name)
             if warmup.name != "warmup" or name == "rl":
-                warmup_overrides = {k: v for k, v in overrides.items() if not rl_only(k)}
-                command = self._train_command(warmup.name, c.warmup, warmup_overrides, actor=sft, critic=None)
+                command = self._train_command(warmup.name, c.warmup, warmup_overrides(overrides), actor=sft,
+                                              critic=None)  # fmt: skip
                 stages.append(Stage(warmup.name, command, warmup / "status.json", workdir=warmup,
                                     needs=("sft",)))  # fmt: skip
         for name, overrides in self.campaigns.items():
@@ -460,8 +465,6 @@ class Demo:
         """A `--campaign`'s name and overrides, or a ConfigError naming what is wrong: the name is
         `rl-` and a word (it names OUT/<name>/ and its eval jobs), new, and the overrides are keys
         the rl stage's run config accepts with those values."""
-        from t1jax.controller.config import load_run_config
-
         if not CAMPAIGN_NAME.fullmatch(name):
             raise ConfigError(f"campaign {name!r}: the name must be rl-<word> (lowercase, digits, - _ .)")
         if name in self.campaigns:
@@ -472,10 +475,8 @@ class Demo:
         if harness:
             raise ConfigError(f"campaign {name!r}: {harness[0]}: a campaign keeps the harness SFT taught "
                               f"(every checkpoint is evaluated under it)")  # fmt: skip
-        stage = self.config.rl
         try:
-            merged = {**stage.overrides, **overrides}
-            load_run_config(self.path(stage.config), overrides=merged, check_paths=False)
+            self._run_config(self.config.rl, overrides)
         except (ConfigError, ValueError) as error:
             raise ConfigError(f"campaign {name!r}: {error}") from error
         return overrides
@@ -557,11 +558,9 @@ class Demo:
     def _rl_harness(self) -> dict[str, Any]:
         """The rl stage's harness section, its overrides applied: the one every checkpoint is
         evaluated under (`eval/harness.yaml`, `t1jax eval --harness`)."""
-        from t1jax.controller.config import load_run_config
         from t1jax.eval.cli import HARNESS_FIELDS
 
-        rl = load_run_config(self.path(self.config.rl.config), overrides=dict(self.config.rl.overrides),
-                             check_paths=False).harness  # fmt: skip
+        rl = self._run_config(self.config.rl, {}).harness
         return {name: value for name, value in dataclasses.asdict(rl).items() if name in HARNESS_FIELDS}
 
     @property
@@ -582,17 +581,21 @@ class Demo:
                     f"stage {rl[name]!r}; RL and the evaluations must run under the harness SFT taught"
                 )
 
-    def _devices_needed(self) -> int:
-        """The most devices one stage uses: the trainer and sampler shares of the warm-up's and
-        every RL campaign's run config (with their overrides); SFT and evaluations use one."""
+    def _run_config(self, stage: TrainStage, overrides: Mapping[str, Any]):
+        """The run config a training stage runs under: its file, its own overrides, then a
+        campaign's (what `_train_command` passes as `--set`)."""
         from t1jax.controller.config import load_run_config
 
-        configs = []
-        for overrides in self.campaigns.values():  # as the stages' commands combine them
-            warmup = {k: v for k, v in overrides.items() if not rl_only(k)}
-            configs.append((self.config.warmup.config, {**self.config.warmup.overrides, **warmup}))
-            configs.append((self.config.rl.config, {**self.config.rl.overrides, **overrides}))
-        runs = [load_run_config(self.path(path), overrides=o, check_paths=False) for path, o in configs]
+        merged = {**stage.overrides, **overrides}
+        return load_run_config(self.path(stage.config), overrides=merged, check_paths=False)
+
+    def _devices_needed(self) -> int:
+        """The most devices one stage uses: the trainer and sampler shares of every warm-up's and
+        RL campaign's run config; SFT and evaluations use one."""
+        runs = []
+        for overrides in self.campaigns.values():
+            runs.append(self._run_config(self.config.warmup, warmup_overrides(overrides)))
+            runs.append(self._run_config(self.config.rl, overrides))
         return max(run.devices.trainer + run.devices.sampler for run in runs)
 
     def _sft_seed(self) -> list[str]:
