@@ -98,6 +98,19 @@ def figures(run: Run) -> dict[str, Any]:
     ax.legend(fontsize=8)
     out["logprob_gap"] = fig
 
+    # PPO here has no entropy term (§4.4): these show a policy drifting towards noise (all rise)
+    # or collapsing onto its mode (the first two fall), and how far each step moved it.
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    _curve(left, run, "batch/sampled_token_nll", "sampled tokens' -log p", "tab:blue")
+    _curve(left, run, "rollout/agent/mean_parse_errors", "unparseable replies per trial", "tab:red")
+    left.set(xlabel="step", title="How random the rollouts are")
+    _curve(right, run, "batch/unlikely_token_fraction", "share of unlikely tokens drawn", "tab:orange")
+    _curve(right, run, "actor/approx_kl", "approx KL of the step's updates", "tab:purple")
+    right.set(xlabel="step", title="Unlikely tokens and step size")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    out["policy_noise"] = fig
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     _curve(ax, run, "tito/drift_in_loss_region", "drift in the loss region (must be 0)", "tab:red")
     _curve(ax, run, "rollout/tito/retokenized_history_loss_fraction", "re-tokenised history", "tab:gray")

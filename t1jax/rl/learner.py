@@ -796,6 +796,8 @@ class Learner:
             host_metrics = {key: float(value) for key, value in jax.device_get(metrics).items()}
         self.state = new_state
         host_metrics.update(_batch_metrics(batch, samples))
+        if not isinstance(samples, PreparedBatch):  # rollouts (SFT's demonstrations were not sampled)
+            host_metrics.update(_sampled_token_metrics(samples))
         if reward_outcomes is not None:
             host_metrics.update(summarize_rewards(reward_outcomes))
         host_metrics["time/step_sec"] = time.perf_counter() - started
@@ -929,6 +931,27 @@ def _batch_metrics(batch: PreparedBatch, samples) -> dict[str, float]:
         metrics["batch/sample_reward_mean"] = float(np.mean([s.reward for s in samples]))
         metrics["batch/samples_without_loss_tokens"] = float(sum(s.num_loss_tokens == 0 for s in samples))
     return metrics
+
+
+# A sampled token this unlikely under the policy that drew it is, in a policy that knows its
+# format, mostly noise: a misspelt word, a broken tool-call tag.
+UNLIKELY_TOKEN_PROBABILITY = 0.05
+
+
+def _sampled_token_metrics(samples) -> dict[str, float]:
+    """How random the rollouts' own tokens were, from the sampler's log-probs of its loss tokens:
+    `batch/sampled_token_nll`, their mean -log p (a Monte Carlo estimate of the sampling policy's
+    entropy per token), and `batch/unlikely_token_fraction`, the share drawn with p <
+    `UNLIKELY_TOKEN_PROBABILITY`. PPO has no entropy term (§4.4); these are what shows a policy
+    drifting towards noise (both rise) or collapsing onto its mode (both fall) step by step."""
+    logprobs = [np.asarray(s.sampler_logprobs)[np.asarray(s.loss_mask) > 0] for s in samples]
+    flat = np.concatenate(logprobs) if logprobs else np.zeros(0, np.float32)
+    if flat.size == 0:
+        return {}
+    return {
+        "batch/sampled_token_nll": float(-np.mean(flat, dtype=np.float64)),
+        "batch/unlikely_token_fraction": float(np.mean(flat < np.log(UNLIKELY_TOKEN_PROBABILITY))),
+    }
 
 
 # ------------------------------------------------------------------------------------------------

@@ -149,6 +149,11 @@ def test_step_follows_the_paper_and_reduces_both_losses(models, rl_config, sampl
     for row, reward in enumerate(row_rewards):
         np.testing.assert_allclose(np.asarray(returns)[row][mask[row] > 0], reward, atol=1e-6)
     assert metrics["batch/loss_tokens"] == batch.num_loss_tokens
+    # The rollouts' randomness, from the samples' own sampler log-probs on their loss tokens.
+    drawn = np.concatenate([s.sampler_logprobs[s.loss_mask > 0] for s in samples]).astype(np.float64)
+    assert len(drawn) == batch.num_loss_tokens
+    assert metrics["batch/sampled_token_nll"] == pytest.approx(-drawn.mean(), rel=1e-6)
+    assert metrics["batch/unlikely_token_fraction"] == pytest.approx(np.mean(np.exp(drawn) < 0.05))
 
     (new_logprobs,) = learner.logprobs(batch)
     (new_values,) = learner.values(batch)
