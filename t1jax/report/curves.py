@@ -102,12 +102,15 @@ def figures(run: Run) -> dict[str, Any]:
     # or collapsing onto its mode (the first two fall), and how far each step moved it.
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
     _curve(left, run, "batch/sampled_token_nll", "sampled tokens' -log p", "tab:blue")
-    _curve(left, run, "rollout/agent/mean_parse_errors", "unparseable replies per trial", "tab:red")
-    left.set(xlabel="step", title="How random the rollouts are")
+    left.set(xlabel="step", ylabel="nats per token", title="How random the rollouts are")
+    replies = left.twinx()  # a count per trial, on its own scale
+    _curve(replies, run, "rollout/agent/mean_parse_errors", "unparseable replies per trial", "tab:red")
+    replies.set(ylabel="per trial")
+    replies.legend(fontsize=8, loc="lower right")
     _curve(right, run, "batch/unlikely_token_fraction", "share of unlikely tokens drawn", "tab:orange")
     _curve(right, run, "actor/approx_kl", "approx KL of the step's updates", "tab:purple")
     right.set(xlabel="step", title="Unlikely tokens and step size")
-    left.legend(fontsize=8)
+    left.legend(fontsize=8, loc="upper left")
     right.legend(fontsize=8)
     out["policy_noise"] = fig
 
