@@ -797,7 +797,7 @@ class Learner:
         self.state = new_state
         host_metrics.update(_batch_metrics(batch, samples))
         if not isinstance(samples, PreparedBatch):  # rollouts (SFT's demonstrations were not sampled)
-            host_metrics.update(_sampled_token_metrics(samples))
+            host_metrics.update(sampled_token_metrics(samples))
         if reward_outcomes is not None:
             host_metrics.update(summarize_rewards(reward_outcomes))
         host_metrics["time/step_sec"] = time.perf_counter() - started
@@ -938,7 +938,7 @@ def _batch_metrics(batch: PreparedBatch, samples) -> dict[str, float]:
 UNLIKELY_TOKEN_PROBABILITY = 0.05
 
 
-def _sampled_token_metrics(samples) -> dict[str, float]:
+def sampled_token_metrics(samples) -> dict[str, float]:
     """How random the rollouts' own tokens were, from the sampler's log-probs of its loss tokens:
     `batch/sampled_token_nll`, their mean -log p (a Monte Carlo estimate of the sampling policy's
     entropy per token), and `batch/unlikely_token_fraction`, the share drawn with p <

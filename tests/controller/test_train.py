@@ -127,9 +127,11 @@ def test_three_steps_one_ahead_and_everything_a_run_directory_promises(reference
             "rollout/stream_tokens_mean", "actor/clip_fraction", "critic/value_loss", "actor/policy_loss",
             "actor/grad_norm", "critic/grad_norm", "tail/bias_category", "tail/cancelled",
             "time/rollout_sec", "time/train_sec", "time/publish_sec", "time/idle_sec", "publish/bytes",
+            "batch/sampled_token_nll", "batch/unlikely_token_fraction",
         ):  # fmt: skip
             assert key in row, key
         assert row["tito/drift_in_loss_region"] == 0 and row["publish/bytes"] > 0
+        assert row["batch/sampled_token_nll"] > 0 and 0 <= row["batch/unlikely_token_fraction"] <= 1
         assert row["tail/launched"] == LAUNCH and row["tail/admitted"] == ADMIT
     assert rows[1]["actor/start_version_skew"] > 0  # term (a) of Eq. 24: one real update behind
     assert rows[0]["actor/start_version_skew"] == pytest.approx(0.0, abs=1e-6)

@@ -26,7 +26,7 @@ from t1jax.rl.batching import BatchingConfig, build_micro_batches
 from t1jax.rl.checkpoint import LearnerCheckpoints
 from t1jax.rl.config import load_rl_config
 from t1jax.rl.diagnostics import explained_variance
-from t1jax.rl.learner import Learner, StalenessError, run_critic_warmup
+from t1jax.rl.learner import Learner, StalenessError, run_critic_warmup, sampled_token_metrics
 from t1jax.rl.losses import policy_loss, sft_loss, value_loss
 from t1jax.rl.reward import RewardConfig, compute_reward
 from t1jax.tito.types import MixedPolicyVersions, Sample
@@ -149,11 +149,13 @@ def test_step_follows_the_paper_and_reduces_both_losses(models, rl_config, sampl
     for row, reward in enumerate(row_rewards):
         np.testing.assert_allclose(np.asarray(returns)[row][mask[row] > 0], reward, atol=1e-6)
     assert metrics["batch/loss_tokens"] == batch.num_loss_tokens
-    # The rollouts' randomness, from the samples' own sampler log-probs on their loss tokens.
+    # The rollouts' randomness, from the samples' own sampler log-probs on their loss tokens (a
+    # step given samples rather than a prepared batch adds it).
     drawn = np.concatenate([s.sampler_logprobs[s.loss_mask > 0] for s in samples]).astype(np.float64)
     assert len(drawn) == batch.num_loss_tokens
-    assert metrics["batch/sampled_token_nll"] == pytest.approx(-drawn.mean(), rel=1e-6)
-    assert metrics["batch/unlikely_token_fraction"] == pytest.approx(np.mean(np.exp(drawn) < 0.05))
+    randomness = sampled_token_metrics(samples)
+    assert randomness["batch/sampled_token_nll"] == pytest.approx(-drawn.mean(), rel=1e-6)
+    assert randomness["batch/unlikely_token_fraction"] == pytest.approx(np.mean(np.exp(drawn) < 0.05))
 
     (new_logprobs,) = learner.logprobs(batch)
     (new_values,) = learner.values(batch)
