@@ -796,7 +796,7 @@ class Learner:
             host_metrics = {key: float(value) for key, value in jax.device_get(metrics).items()}
         self.state = new_state
         host_metrics.update(_batch_metrics(batch, samples))
-        if not isinstance(samples, PreparedBatch):  # rollouts (SFT's demonstrations were not sampled)
+        if not isinstance(samples, PreparedBatch):  # read from the samples; a prepared batch has none
             host_metrics.update(sampled_token_metrics(samples))
         if reward_outcomes is not None:
             host_metrics.update(summarize_rewards(reward_outcomes))
