@@ -116,6 +116,12 @@ echo "$child" >>"$t1/groups"
 wait "$child"; rc=$?
 kill -KILL -- -"$dog" "$dog"  # the pid too, in case it has not reached setsid() yet
 timed=0; [ -e "$flag" ] && timed=1
+# A killed group's processes hold the sandbox's pids until the container's init reaps them (kill -0
+# still reaches a zombie): answer once they are gone (at most ~5 s), so the next command does not
+# find a flood's slots still taken.
+if [ "$timed" = 1 ]; then
+  n=0; while kill -0 -- -"$child" 2>/dev/null && [ "$n" -lt 100 ]; do sleep 0.05; n=$((n+1)); done
+fi
 osz=$(wc -c <"$out" 2>/dev/null); osz=$((osz+0))
 esz=$(wc -c <"$err" 2>/dev/null); esz=$((esz+0))
 t1emit() {{
