@@ -33,11 +33,13 @@ ids are unique; no family is in both splits.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
 import random
 import re
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -453,3 +455,77 @@ def manifest_of(config: SuiteConfig, families: Sequence[Family], tasks: Sequence
             for t in tasks
         ],
     }
+
+
+def select_families(manifest: Mapping, split: str, per_category: int, seed: int = 0) -> list[str]:
+    """Up to `per_category` of `split`'s families in each category, covering as many of the split's
+    idioms as the cap allows: first a greedy cover (each pick the family with the most idioms not
+    yet covered, ties broken by a seeded draw), then seeded draws fill each category to the cap.
+    A pure function of its arguments; the ids come back in the order picked.
+
+    Why a narrower pool: RL's critic is the only baseline (paper §5), and a step's batch drawn from
+    a few families shows it each family again and again, so it can learn the per-family return
+    that otherwise dominates the reward's variance (README, "The demo")."""
+    if per_category < 1:
+        raise ValueError(f"families per category must be at least 1, not {per_category}")
+    families = {f["family_id"]: f for f in manifest["families"] if f["split"] == split}
+    if not families:
+        raise ValueError(f"the suite has no {split!r} families")
+    rng = _rng(seed, "select_families")
+    draw = {family_id: rng.random() for family_id in sorted(families)}
+    uncovered = {idiom for f in families.values() for idiom in f["idioms"]}
+    chosen: list[str] = []
+    taken: collections.Counter[str] = collections.Counter()
+
+    def gain(family_id: str) -> int:
+        return len(uncovered.intersection(families[family_id]["idioms"]))
+
+    while uncovered:
+        open_ = [
+            f for f in sorted(families) if f not in chosen and taken[families[f]["category"]] < per_category
+        ]
+        best = max(open_, key=lambda f: (gain(f), draw[f]), default=None)
+        if best is None or gain(best) == 0:
+            break  # the cap leaves these idioms uncovered
+        chosen.append(best)
+        taken[families[best]["category"]] += 1
+        uncovered.difference_update(families[best]["idioms"])
+    for category in sorted({f["category"] for f in families.values()}):
+        rest = sorted(
+            (f for f in families if families[f]["category"] == category and f not in chosen), key=draw.get
+        )
+        chosen.extend(rest[: max(0, per_category - taken[category])])
+    return chosen
+
+
+def write_subset(suite: str | Path, out: str | Path, family_ids: Sequence[str]) -> dict:
+    """Copy the tasks of `family_ids` (all splits they occur in) from the suite at `suite` to `out`
+    (new or empty), laid out as the suite is (`out/<split>/<task>`) with a manifest of the same
+    form restricted to them (`subset_of`: the source and the families); returns that manifest."""
+    suite, out = Path(suite), Path(out)
+    manifest = json.loads((suite / "manifest.json").read_text())
+    known = {f["family_id"] for f in manifest["families"]}
+    unknown = sorted(set(family_ids) - known)
+    if unknown:
+        raise ValueError(f"{suite} has no family {', '.join(unknown)}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory; choose a new --out")
+    wanted = set(family_ids)
+    tasks = [t for t in manifest["tasks"] if t["family"] in wanted]
+    staging = out.with_name(f".{out.name}.partial")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    for task in tasks:
+        shutil.copytree(suite / task["path"], staging / task["path"], symlinks=True)
+    subset = {
+        **manifest,
+        "subset_of": {"suite": str(suite.resolve()), "families": list(family_ids)},
+        "families": [f for f in manifest["families"] if f["family_id"] in wanted],
+        "tasks": tasks,
+    }
+    (staging / "manifest.json").write_text(json.dumps(subset, indent=1) + "\n")
+    if out.exists():
+        out.rmdir()
+    staging.rename(out)  # whole or not at all, as generate_suite
+    return subset

@@ -1,8 +1,11 @@
 """`t1jax tasks generate --out DIR --n N --seed S`: write the synthetic task suite (`t1jax.data.suite`).
+`t1jax tasks subset --suite DIR --out DIR --families-per-category K`: copy a narrower pool of one
+split's tasks (K families per category, covering the split's idioms; `suite.select_families`),
+e.g. an RL campaign's `tasks.directory`.
 
-Prints one progress line per 50 tasks on stderr and a summary (tasks per split and category,
-families, difficulty) on stdout. Bad arguments or an existing non-empty `--out` exit 2 with one
-line saying what was wrong; nothing is written then.
+`generate` prints one progress line per 50 tasks on stderr; both print a summary (tasks per split
+and category, families, difficulty) on stdout. Bad arguments, a missing suite or an existing
+non-empty `--out` exit 2 with one line saying what was wrong; nothing is written then.
 """
 
 from __future__ import annotations
@@ -35,9 +38,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     generate.add_argument("--families-per-category", type=int, default=12)
     generate.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    subset = actions.add_parser(
+        "subset",
+        help="copy K families per category of one split (covering its idioms) to a new directory",
+    )
+    subset.add_argument("--suite", type=Path, required=True, help="a suite `tasks generate` wrote")
+    subset.add_argument("--out", type=Path, required=True, help="new directory for the subset")
+    subset.add_argument("--families-per-category", type=int, required=True)
+    subset.add_argument("--split", default="train", choices=("train", "heldout"))
+    subset.add_argument("--seed", type=int, default=0, help="breaks ties and fills each category")
+    subset.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tasks_action == "subset":
+        return run_subset(args)
     from t1jax.data.suite import SuiteConfig, generate_suite
 
     try:
@@ -60,11 +75,45 @@ def run(args: argparse.Namespace) -> int:
             traceback.print_exc()
         print(f"t1jax tasks generate: {error}", file=sys.stderr)
         return 2
+    print(f"wrote {len(manifest['tasks'])} tasks to {args.out} in {time.monotonic() - started:.1f} s")
+    print_summary(manifest)
+    return 0
+
+
+def run_subset(args: argparse.Namespace) -> int:
+    import json
+
+    from t1jax.data.suite import select_families, write_subset
+
+    try:
+        manifest_path = args.suite / "manifest.json"
+        if not manifest_path.is_file():
+            raise ValueError(f"{args.suite} is not a suite (no manifest.json; see `t1jax tasks generate`)")
+        manifest = json.loads(manifest_path.read_text())
+        families = select_families(manifest, args.split, args.families_per_category, args.seed)
+        subset = write_subset(args.suite, args.out, families)
+    except (ValueError, KeyError, FileExistsError, OSError) as error:
+        if args.debug:
+            traceback.print_exc()
+        message = f"{args.suite}/manifest.json lacks {error}" if isinstance(error, KeyError) else error
+        print(f"t1jax tasks subset: {message}", file=sys.stderr)
+        return 2
+    idioms = {i for f in manifest["families"] if f["split"] == args.split for i in f["idioms"]}
+    covered = {i for f in subset["families"] for i in f["idioms"]}
+    print(f"wrote {len(subset['tasks'])} tasks of {len(families)} {args.split} families to {args.out}; "
+          f"idioms covered {len(covered)}/{len(idioms)}"
+          + (f" (not: {', '.join(sorted(idioms - covered))})" if idioms - covered else ""))  # fmt: skip
+    print_summary(subset)
+    return 0
+
+
+def print_summary(manifest: dict) -> None:
     tasks = manifest["tasks"]
     splits = collections.Counter(t["split"] for t in tasks)
-    print(f"wrote {len(tasks)} tasks to {args.out} in {time.monotonic() - started:.1f} s")
     for split in ("train", "heldout"):
         mine = [t for t in tasks if t["split"] == split]
+        if not mine:
+            continue  # a subset of one split
         categories = collections.Counter(t["category"] for t in mine)
         difficulty = collections.Counter(t["difficulty"] for t in mine)
         inspection = sum(t["inspection"] for t in mine)
@@ -73,4 +122,3 @@ def run(args: argparse.Namespace) -> int:
             + ", ".join(f"{c} {n}" for c, n in sorted(categories.items()))
             + f"; difficulty {dict(sorted(difficulty.items()))}; {inspection} need inspection"
         )
-    return 0

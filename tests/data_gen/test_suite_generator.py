@@ -36,6 +36,7 @@ from t1jax.data.suite import (
     generate_suite,
     make_families,
     plan_tasks,
+    select_families,
     write_task,
 )
 
@@ -181,6 +182,85 @@ def test_cli_writes_a_suite_and_refuses_bad_input(tmp_path):
     assert fraction.returncode == 2 and "heldout_fraction" in fraction.stderr
     count = cli("--out", str(tmp_path / "v"), "--n", "10", "--heldout-tasks", "10")
     assert count.returncode == 2 and "heldout_tasks" in count.stderr and not (tmp_path / "v").exists()
+
+
+def test_a_narrower_pool_caps_each_category_and_covers_what_the_cap_allows(suite):
+    out, manifest = suite
+    train = {f["family_id"]: f for f in manifest["families"] if f["split"] == "train"}
+    everything = select_families(manifest, "train", 100)
+    assert sorted(everything) == sorted(train)  # no cap: every family, once
+    for cap, seed in ((1, 0), (2, 0), (2, 5)):
+        chosen = select_families(manifest, "train", cap, seed)
+        assert chosen == select_families(manifest, "train", cap, seed)
+        assert len(set(chosen)) == len(chosen) and set(chosen) <= set(train)
+        per_category = collections.Counter(train[f]["category"] for f in chosen)
+        available = collections.Counter(f["category"] for f in train.values())
+        assert per_category == {c: min(cap, n) for c, n in available.items()}, (cap, per_category)
+        # The cover comes first, in the order picked: each pick teaches the most idioms not yet
+        # taught of any family whose category still had room.
+        uncovered, taken = {i for f in train.values() for i in f["idioms"]}, collections.Counter()
+        for pick in chosen:
+            gain = len(uncovered & set(train[pick]["idioms"]))
+            if gain == 0:
+                break
+            room = [f for f in train if f not in taken and taken[train[f]["category"]] < cap]
+            assert gain == max(len(uncovered & set(train[f]["idioms"])) for f in room), (cap, pick)
+            taken[pick] = 1
+            taken[train[pick]["category"]] += 1
+            uncovered -= set(train[pick]["idioms"])
+        # ... which teaches at least as many idioms as any of 50 random picks under the same cap
+        covered = len({i for f in chosen for i in train[f]["idioms"]})
+        draws = random.Random(cap)
+        for _ in range(50):
+            families = [
+                f
+                for c in available
+                for f in draws.sample(
+                    sorted(f for f in train if train[f]["category"] == c), min(cap, available[c])
+                )
+            ]
+            assert covered >= len({i for f in families for i in train[f]["idioms"]})
+    assert select_families(manifest, "train", 2, 0) != select_families(manifest, "train", 2, 5)
+    with pytest.raises(ValueError, match="at least 1"):
+        select_families(manifest, "train", 0)
+
+
+def test_cli_writes_a_subset_and_refuses_bad_input(tmp_path, suite):
+    out, manifest = suite
+
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "t1jax.cli", "tasks", "subset", "--suite", str(out), *args],
+            capture_output=True, text=True, cwd=REPO, timeout=120,
+        )  # fmt: skip
+
+    done = cli("--out", str(tmp_path / "pool"), "--families-per-category", "2", "--seed", "1")
+    assert done.returncode == 0, done.stderr
+    subset = json.loads((tmp_path / "pool" / "manifest.json").read_text())
+    chosen = select_families(manifest, "train", 2, 1)
+    assert subset["subset_of"]["families"] == chosen
+    assert [t["task_id"] for t in subset["tasks"]] == [
+        t["task_id"] for t in manifest["tasks"] if t["family"] in chosen
+    ]
+    assert f"wrote {len(subset['tasks'])} tasks of {len(chosen)} train families" in done.stdout
+    # the copies are the suite's task directories, byte for byte, and load as a dataset
+    for task in subset["tasks"]:
+        assert tree_digest(tmp_path / "pool" / task["path"]) == tree_digest(out / task["path"])
+    assert sorted(t.task_id for t in load_dataset(tmp_path / "pool" / "train")) == sorted(
+        t["task_id"] for t in subset["tasks"]
+    )
+    again = cli("--out", str(tmp_path / "pool"), "--families-per-category", "2")
+    assert (
+        again.returncode == 2 and "not an empty directory" in again.stderr and "Traceback" not in again.stderr
+    )
+    zero = cli("--out", str(tmp_path / "z"), "--families-per-category", "0")
+    assert zero.returncode == 2 and "at least 1" in zero.stderr and not (tmp_path / "z").exists()
+    missing = subprocess.run(
+        [sys.executable, "-m", "t1jax.cli", "tasks", "subset", "--suite", str(tmp_path), "--out",
+         str(tmp_path / "m"), "--families-per-category", "2"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "not a suite" in missing.stderr and "Traceback" not in missing.stderr
 
 
 def idiom_cover(manifest: dict) -> list[dict]:
