@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 import traceback
 
@@ -87,6 +89,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports an error on it); another
+    BrokenPipeError (a socket, a subprocess's pipe) is a failure like any other."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     # Before the parser imports the subcommands (some import jax, which reads the cache settings
     # from the environment once); a bad setting is reported like any other bad input, below.
@@ -99,11 +112,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cache_problem is not None:
             raise cache_problem
-        return importlib.import_module(args.module).run(args)
+        status = importlib.import_module(args.module).run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
+        return status
     except KeyboardInterrupt:
         print(f"t1jax {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:
+        if isinstance(error, BrokenPipeError) and stdout_reader_gone():
+            # `t1jax ... | head`: the reader went away; stop quietly, as a shell tool does. stdout
+            # now points at /dev/null, so the interpreter's own flush at exit cannot raise again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141  # 128 + SIGPIPE
         if args.debug:
             traceback.print_exc()
         usage = isinstance(error, (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError))

@@ -1,5 +1,6 @@
 """The `t1jax` entry point (t1jax.cli): every subcommand is listed, only the named one is imported."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,32 @@ def test_help_lists_every_subcommand():
     assert done.returncode == 0
     for name in cli.SUBCOMMANDS:
         assert name in done.stdout
+
+
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path, unbuffered):
+    """`t1jax tasks generate ... | true`: the reader is gone before the summary is printed; the
+    command stops without a traceback or a 'failed' line (line- or block-buffered stdout), its work
+    (the suite) already done."""
+    shell = (
+        f"{sys.executable} -m t1jax.cli tasks generate --out {tmp_path / 's'} --n 30 | true; "
+        + 'echo "status=${PIPESTATUS[0]}"'
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
+    done = subprocess.run(
+        ["bash", "-c", shell], cwd=REPO, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert "status=141" in done.stdout, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and "failed" not in done.stderr and "Exception" not in done.stderr
+    assert (tmp_path / "s" / "manifest.json").is_file()
+
+
+def test_a_broken_pipe_other_than_stdout_is_a_failure(monkeypatch, capsys):
+    import t1jax.data.tasks_cli as tasks_cli
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")  # e.g. a sandbox's socket, not the reader of stdout
+
+    monkeypatch.setattr(tasks_cli, "run", broken)
+    assert cli.main(["tasks", "generate", "--out", "x", "--n", "3"]) == cli.EXIT_FAILURE
+    assert "failed: BrokenPipeError" in capsys.readouterr().err
