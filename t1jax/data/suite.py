@@ -401,8 +401,7 @@ def generate_suite(
 ) -> dict:
     """Write the suite to `out` (which must not exist or be empty); returns the manifest."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty directory; choose a new --out")
+    _check_new_directory(out)
     families = make_families(
         config.seed,
         families_per_category=config.families_per_category,
@@ -426,10 +425,28 @@ def generate_suite(
             on_task(index + 1, len(tasks), task)
     manifest = manifest_of(config, families, tasks)
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    _move_into_place(staging, out)
+    return manifest
+
+
+def _check_new_directory(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory; choose a new --out")
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """The finished `staging` becomes `out` (absent or empty): a suite appears whole or not at all."""
     if out.exists():
         out.rmdir()
-    staging.rename(out)  # the suite appears whole or not at all
-    return manifest
+    staging.rename(out)
+
+
+def read_manifest(suite: str | Path) -> dict:
+    """The manifest of the suite at `suite`, or a ValueError saying it is not one."""
+    path = Path(suite) / "manifest.json"
+    if not path.is_file():
+        raise ValueError(f"{suite} is not a suite (no manifest.json; see `t1jax tasks generate`)")
+    return json.loads(path.read_text())
 
 
 def manifest_of(config: SuiteConfig, families: Sequence[Family], tasks: Sequence[SuiteTask]) -> dict:
@@ -498,18 +515,17 @@ def select_families(manifest: Mapping, split: str, per_category: int, seed: int 
     return chosen
 
 
-def write_subset(suite: str | Path, out: str | Path, family_ids: Sequence[str]) -> dict:
-    """Copy the tasks of `family_ids` (all splits they occur in) from the suite at `suite` to `out`
-    (new or empty), laid out as the suite is (`out/<split>/<task>`) with a manifest of the same
-    form restricted to them (`subset_of`: the source and the families); returns that manifest."""
+def write_subset(suite: str | Path, manifest: Mapping, out: str | Path, family_ids: Sequence[str]) -> dict:
+    """Copy the tasks of `family_ids` (all splits they occur in) from the suite at `suite` (whose
+    manifest is `manifest`) to `out` (new or empty), laid out as the suite is (`out/<split>/<task>`)
+    with a manifest of the same form restricted to them (`subset_of`: the source and the
+    families); returns that manifest."""
     suite, out = Path(suite), Path(out)
-    manifest = json.loads((suite / "manifest.json").read_text())
     known = {f["family_id"] for f in manifest["families"]}
     unknown = sorted(set(family_ids) - known)
     if unknown:
         raise ValueError(f"{suite} has no family {', '.join(unknown)}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty directory; choose a new --out")
+    _check_new_directory(out)
     wanted = set(family_ids)
     tasks = [t for t in manifest["tasks"] if t["family"] in wanted]
     staging = out.with_name(f".{out.name}.partial")
@@ -525,7 +541,5 @@ def write_subset(suite: str | Path, out: str | Path, family_ids: Sequence[str]) 
         "tasks": tasks,
     }
     (staging / "manifest.json").write_text(json.dumps(subset, indent=1) + "\n")
-    if out.exists():
-        out.rmdir()
-    staging.rename(out)  # whole or not at all, as generate_suite
+    _move_into_place(staging, out)
     return subset

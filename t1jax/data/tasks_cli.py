@@ -81,17 +81,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_subset(args: argparse.Namespace) -> int:
-    import json
-
-    from t1jax.data.suite import select_families, write_subset
+    from t1jax.data.suite import read_manifest, select_families, write_subset
 
     try:
-        manifest_path = args.suite / "manifest.json"
-        if not manifest_path.is_file():
-            raise ValueError(f"{args.suite} is not a suite (no manifest.json; see `t1jax tasks generate`)")
-        manifest = json.loads(manifest_path.read_text())
+        manifest = read_manifest(args.suite)
         families = select_families(manifest, args.split, args.families_per_category, args.seed)
-        subset = write_subset(args.suite, args.out, families)
+        subset = write_subset(args.suite, manifest, args.out, families)
     except (ValueError, KeyError, FileExistsError, OSError) as error:
         if args.debug:
             traceback.print_exc()
