@@ -6,6 +6,8 @@ run it (`t1jax tasks generate`, `t1jax sft`, `t1jax train`, `t1jax eval`), so th
 real sandboxes, the JAX engine, the learner, the controller and the evaluator, and nothing else:
 
     OUT/tasks/{train,heldout}     the suite (train and held-out splits disjoint by template family)
+    OUT/rl-pool/train             with tasks.rl_families_per_category: the train families RL's
+                                  stages draw from (t1jax tasks subset); else they use tasks/train
     OUT/pretrain/checkpoint       the base: random init + copy-corpus pretraining (or OUT/base/: the
                                   random init alone, base.pretrain_steps: 0)
     OUT/demonstrations/           demonstrations in real sandboxes (t1jax sft --collect-only), run
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -60,13 +63,25 @@ from t1jax.yamlio import load_yaml
 
 @dataclass(frozen=True)
 class TasksStage:
-    """`t1jax tasks generate`'s settings (`t1jax.data.suite.SuiteConfig`)."""
+    """`t1jax tasks generate`'s settings (`t1jax.data.suite.SuiteConfig`), and RL's pool.
+
+    `rl_families_per_category`: the train tasks the critic warm-up, the reward-variance check and
+    RL draw from, when set: `t1jax tasks subset` keeps that many train families of each category
+    (covering the split's idioms first, `t1jax.data.suite.select_families`, seeded by `seed`). The
+    demonstrations and SFT always use the whole train split; the held-out split is never touched.
+    None: RL's pool is the whole train split."""
 
     n: int = 160
     seed: int = 0
     heldout_fraction: float = 0.2
     heldout_tasks: int | None = None
     families_per_category: int = 12
+    rl_families_per_category: int | None = None
+
+    def __post_init__(self) -> None:
+        k = self.rl_families_per_category
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"tasks.rl_families_per_category must be an integer >= 1 or null, got {k!r}")
 
 
 @dataclass(frozen=True)
@@ -162,12 +177,15 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
 
 
 # Overrides only an RL run can feel. The warm-up holds the actor (schedule.train_actor: false), so
-# the actor's optimizer, clip and epochs never reach it, and its length, seed and bookkeeping are
-# its own. A campaign whose every override is one of these starts from the demo's own warm-up
-# critic; any other override (a reward, a sampling temperature, the critic's optimizer, the batch)
-# can change the critic a warm-up fits, so that campaign warms up its own, with those overrides.
-RL_ONLY_OVERRIDES = ("rl.actor_optimizer", "rl.ppo.clip_eps", "rl.ppo.actor_epochs", "run.steps",
-                     "run.seed", "run.name", "checkpoint", "logging")  # fmt: skip
+# the actor's optimizer, clip and epochs, and how its advantages are centred or whitened (the
+# critic's targets are the returns, which neither changes), never reach it, and its length, seed
+# and bookkeeping are its own. A campaign whose every override is one of these starts from the
+# demo's own warm-up critic; any other override (a reward, a sampling temperature, the critic's
+# optimizer, the batch, the task pool) can change the critic a warm-up fits, so that campaign
+# warms up its own, with those overrides.
+RL_ONLY_OVERRIDES = ("rl.actor_optimizer", "rl.ppo.clip_eps", "rl.ppo.actor_epochs", "rl.advantages.center",
+                     "rl.advantages.normalize", "run.steps", "run.seed", "run.name", "checkpoint",
+                     "logging")  # fmt: skip
 CAMPAIGN_NAME = re.compile(r"rl-[a-z0-9][a-z0-9_.-]*")
 
 
@@ -425,11 +443,25 @@ class Demo:
                   out / "sft" / "checkpoint" / "config.json", workdir=out / "sft",
                   needs=("demonstrations", "base")),
         ]  # fmt: skip
+        rl_tasks_ready: tuple[str, ...] = ()
+        if c.tasks.rl_families_per_category is not None:
+            pool = self.rl_pool.parent
+            k = c.tasks.rl_families_per_category
+            subset = [*cli, "tasks", "subset", "--suite", str(tasks), "--out", str(pool),
+                      "--families-per-category", str(k), "--seed", str(c.tasks.seed)]  # fmt: skip
+            stages.append(Stage("rl pool", subset, pool / "manifest.json", workdir=pool, needs=("tasks",)))
+            rl_tasks_ready = ("rl pool",)
+        # Nothing RL trains on may come from the held-out split: checked in-process once the suite
+        # (and RL's pool) exist, before any warm-up; a campaign's own tasks.directory included.
+        check = Stage("heldout unseen", None, self.heldout_check_marker, action=self._check_heldout_unseen,
+                      needs=("tasks", *rl_tasks_ready))  # fmt: skip
+        stages.append(check)
+        rl_tasks_ready = (*rl_tasks_ready, "heldout unseen")
         sft = out / "sft" / "checkpoint"
         if c.variance.tasks > 0:
             job = self.eval_dir / "sft-variance"
             stages.append(Stage("sft reward variance", self._variance_command(sft, job), job / "result.json",
-                                workdir=job, needs=("sft",)))  # fmt: skip
+                                workdir=job, needs=("sft", *rl_tasks_ready)))  # fmt: skip
         # Each campaign warms its critic up with its own reward: a critic fitted to the test-count
         # return (~0.06 here) under a binary reward that is ~always 0 makes every advantage
         # negative, and the ablation would measure the mismatch, not the reward.
@@ -439,7 +471,7 @@ class Demo:
                 command = self._train_command(warmup.name, c.warmup, warmup_overrides(overrides), actor=sft,
                                               critic=None)  # fmt: skip
                 stages.append(Stage(warmup.name, command, warmup / "status.json", workdir=warmup,
-                                    needs=("sft",)))  # fmt: skip
+                                    needs=("sft", *rl_tasks_ready)))  # fmt: skip
         for name, overrides in self.campaigns.items():
             warmup = self.warmup_dir(name)
             command = self._train_command(name, c.rl, overrides, actor=sft, critic=warmup)
@@ -452,6 +484,59 @@ class Demo:
                 stages.append(Stage(f"eval {name} {mode}", command, job / "result.json", workdir=job,
                                     needs=("tasks", name)))  # fmt: skip
         return stages
+
+    @property
+    def rl_pool(self) -> Path:
+        """The tasks the warm-up, the reward-variance check and RL draw from
+        (`TasksStage.rl_families_per_category`); a campaign's `tasks.directory` overrides it."""
+        if self.config.tasks.rl_families_per_category is None:
+            return self.out / "tasks" / "train"
+        return self.out / "rl-pool" / "train"
+
+    def training_task_directories(self) -> list[Path]:
+        """Every directory a warm-up or an RL campaign trains on (each campaign's `tasks.directory`
+        override, resolved as `t1jax train` resolves it, or else RL's pool), without repeats."""
+        rl_config_dir = self.path(self.config.rl.config).parent
+        directories: list[Path] = []
+        for overrides in self.campaigns.values():
+            value = {**self.config.rl.overrides, **overrides}.get("tasks.directory")
+            directory = self.rl_pool if value is None else resolve_path(str(value), rl_config_dir)
+            if directory not in directories:
+                directories.append(directory)
+        return directories
+
+    @property
+    def heldout_check_marker(self) -> Path:
+        """Written once the training directories in use now were checked (`_check_heldout_unseen`);
+        named by them, so a campaign training elsewhere is checked again."""
+        checked = "\n".join(str(directory) for directory in self.training_task_directories())
+        return self.logs / f"heldout-unseen-{hashlib.sha256(checked.encode()).hexdigest()[:12]}.json"
+
+    def _check_heldout_unseen(self) -> None:
+        """A ConfigError naming the first training task that shares its id or its template family
+        with the held-out split (a policy trained on it would be scored on what it trained on);
+        else the check's marker, listing what was checked."""
+        from sandbox_service.tasks import load_dataset
+
+        heldout_dir = self.out / "tasks" / "heldout"
+        heldout = load_dataset(heldout_dir).tasks
+        heldout_ids = {task.task_id for task in heldout}
+        heldout_families = {task.family for task in heldout if task.family}
+        directories = self.training_task_directories()
+        for directory in directories:
+            try:
+                tasks = load_dataset(directory).tasks
+            except FileNotFoundError as error:
+                raise ConfigError(f"RL tasks: {error}") from error
+            for task in tasks:
+                if task.task_id in heldout_ids or task.family in heldout_families:
+                    shared = f"family {task.family!r}" if task.family in heldout_families else "its id"
+                    raise ConfigError(
+                        f"RL tasks {directory}: {task.task_id} shares {shared} with the held-out split "
+                        f"{heldout_dir}; warm-up and RL must train on train families only"
+                    )
+        checked = {"checked": [str(directory) for directory in directories], "heldout_tasks": len(heldout)}
+        self.heldout_check_marker.write_text(json.dumps(checked) + "\n")
 
     def warmup_dir(self, campaign: str) -> Path:
         """The critic warm-up of an RL campaign: `warmup/` for the demo's own and for a campaign
@@ -509,7 +594,7 @@ class Demo:
     ) -> list[str]:
         command = [sys.executable, "-m", "t1jax.cli", "train", "--config", str(self.path(stage.config)),
                    "--run-dir", str(self.out / name), "--set", f"model.actor_checkpoint={actor}",
-                   "--set", f"tasks.directory={self.out / 'tasks' / 'train'}"]  # fmt: skip
+                   "--set", f"tasks.directory={self.rl_pool}"]  # fmt: skip
         if critic is not None:
             command += ["--set", f"model.critic_checkpoint={critic}"]
         if self.seed:
@@ -522,12 +607,12 @@ class Demo:
         return command
 
     def _variance_command(self, checkpoint: Path, job: Path) -> list[str]:
-        """`t1jax eval` of the SFT policy on a spread of train tasks, sampled as RL samples."""
+        """`t1jax eval` of the SFT policy on a spread of RL's train tasks, sampled as RL samples."""
         from t1jax.controller.config import load_run_config
 
         sampling = load_run_config(self.path(self.config.rl.config)).sampling
         v = self.config.variance
-        command = self._eval_harness_command(checkpoint, job, self.out / "tasks" / "train")
+        command = self._eval_harness_command(checkpoint, job, self.rl_pool)
         return [*command, "--task-sample", str(v.tasks), "--attempts", str(v.attempts),
                 "--temperature", str(sampling.temperature), "--top-p", str(sampling.top_p),
                 "--top-k", str(sampling.top_k)]  # fmt: skip

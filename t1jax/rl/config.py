@@ -25,15 +25,30 @@ from t1jax.yamlio import load_yaml
 @dataclass(frozen=True)
 class AdvantageConfig:
     """GAE (Eq. 16). gamma = lambda = 1 and no normalisation in production (§5.3): normalising
-    would rescale away the absolute reward scale the test-count reward exists to keep."""
+    would rescale away the absolute reward scale the test-count reward exists to keep.
+
+    `center` subtracts the batch's mean advantage over its action tokens and rescales nothing (a
+    departure from the paper, off by default): with one trajectory per task and a critic that
+    cannot yet tell tasks apart, the batch's mean return moves from step to step with which tasks
+    it drew, the critic's values lag it, and every sampled token of the batch is pushed the same
+    way by the gap. Centring removes that common offset while keeping the differences between
+    trajectories on the reward's absolute scale. `normalize` (whiten: centre, then divide by the
+    standard deviation) implies it.
+    """
 
     gamma: float = 1.0
     lam: float = 1.0
     normalize: bool = False
+    center: bool = False
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
             raise ValueError(f"advantages.gamma and .lam must lie in [0, 1], got {self.gamma}, {self.lam}")
+
+    @property
+    def recentred(self) -> bool:
+        """Whether the learner shifts the advantages by the batch mean (centre or whiten)."""
+        return self.center or self.normalize
 
 
 @dataclass(frozen=True)

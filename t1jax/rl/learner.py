@@ -660,24 +660,27 @@ class Learner:
             ]
 
     def advantages(
-        self, batch: PreparedBatch, old_values: Sequence[jax.Array], *, normalize: bool | None = None
+        self, batch: PreparedBatch, old_values: Sequence[jax.Array], *, recentre: bool | None = None
     ) -> tuple[list[jax.Array], list[jax.Array]]:
-        """GAE advantages and returns per micro-batch from the given values (Eq. 16); advantages
-        are normalised with whole-batch statistics when `normalize` (default
-        `advantages.normalize`) is set."""
-        normalize = self.config.advantages.normalize if normalize is None else normalize
+        """GAE advantages and returns per micro-batch from the given values (Eq. 16). With
+        `recentre` (default: `advantages.center` or `.normalize`) the advantages are shifted by
+        the whole batch's mean over action tokens and, under `normalize`, divided by its standard
+        deviation; the returns (the critic's targets) never change."""
+        cfg = self.config.advantages
+        recentre = cfg.recentred if recentre is None else recentre
         mbs = batch.micro_batches
         with self._mesh_context():
             pairs = [self._programs.gae(mb, v) for mb, v in zip(mbs, old_values, strict=True)]
             advantages = [a for a, _ in pairs]
             returns = [r for _, r in pairs]
-            if normalize:
+            if recentre:
                 moments = _merged(
                     masked_moments(a, mb.action_mask) for mb, a in zip(mbs, advantages, strict=True)
                 )
-                std = jnp.sqrt(moments.variance)
+                # centring alone divides by exactly 1 (eps 0): the absolute scale is kept
+                scale, eps = (jnp.sqrt(moments.variance), 1e-6) if cfg.normalize else (jnp.float32(1.0), 0.0)
                 advantages = [
-                    normalize_advantages(a, mb.action_mask, moments.mean, std)
+                    normalize_advantages(a, mb.action_mask, moments.mean, scale, eps)
                     for mb, a in zip(mbs, advantages, strict=True)
                 ]
         return advantages, returns
@@ -733,7 +736,7 @@ class Learner:
             )
         # (2) V_old and (3) GAE, both before any update.
         old_values = self.values(batch)
-        advantages, returns = self.advantages(batch, old_values, normalize=False)
+        advantages, returns = self.advantages(batch, old_values, recentre=False)
         # (5, hoisted) the trainer's own old log-probs under replayed routing, no gradient, with
         # the weights of the version that generated the batch (Eq. 26). They depend on the actor
         # only, so computing them before the critic update changes nothing.
@@ -742,8 +745,8 @@ class Learner:
         metrics: dict[str, Any] = {}
         with self._mesh_context():
             metrics.update(programs.diagnostics(mbs, old_values, advantages, returns, old_logprobs))
-            if self.config.advantages.normalize:  # after the diagnostics, which report raw advantages
-                advantages, _ = self.advantages(batch, old_values, normalize=True)
+            if self.config.advantages.recentred:  # after the diagnostics, which report raw advantages
+                advantages, _ = self.advantages(batch, old_values, recentre=True)
 
             # (4) the critic first, its value clip anchored at V_old.
             critic_params, critic_master, critic_opt_state = (

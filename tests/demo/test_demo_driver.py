@@ -15,6 +15,7 @@ learner's twice): 779 s on the shared 2-core machine at load average ~12, so it 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -84,6 +85,7 @@ def test_demo_runs_every_stage_and_resumes(tmp_path):
         "base",
         "demonstrations",
         "sft",
+        "heldout unseen",
         "sft reward variance",
         "warmup",
         "rl",
@@ -261,8 +263,8 @@ def test_the_ablation_differs_only_in_reward_warm_up_included(tmp_path):
     demo = Demo(config, base_dir, tmp_path, ablation=True)
     stages = {s.name: s.command for s in demo.stages()}
     assert [n for n in stages if not n.startswith("eval")] == [
-        "tasks", "base", "demonstrations", "sft", "sft reward variance", "warmup", "warmup-binary", "rl",
-        "rl-binary"]  # fmt: skip
+        "tasks", "base", "demonstrations", "sft", "heldout unseen", "sft reward variance", "warmup",
+        "warmup-binary", "rl", "rl-binary"]  # fmt: skip
 
     def extra(name):  # the --set overrides beyond what every campaign gets
         command = stages[name]
@@ -311,15 +313,110 @@ def test_reward_variance_is_measured_on_train_tasks_as_rl_samples(tmp_path):
     assert protocol == [0.1, 0.95, 20, config.eval.sampled_attempts]
 
 
+def test_rl_pool_narrows_what_the_warm_up_the_variance_check_and_rl_draw_from(tmp_path):
+    """`tasks.rl_families_per_category`: one `t1jax tasks subset` stage after the suite; the
+    warm-up, the reward-variance check and every campaign read its train split, while the
+    demonstrations (and so SFT) keep the whole train split and the evaluations the held-out one.
+    The stage's command is run for real on a small suite: what it writes is what they read."""
+    from t1jax.demo.driver import Demo
+
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    tasks = dataclasses.replace(
+        config.tasks, n=160, families_per_category=6, heldout_tasks=None, rl_families_per_category=2
+    )
+    config = dataclasses.replace(config, tasks=tasks)
+    demo = Demo(config, base_dir, tmp_path, ablation=True)
+    stages = {s.name: s for s in demo.stages()}
+    names = list(stages)
+    assert (
+        names.index("tasks") < names.index("rl pool") < names.index("heldout unseen") < names.index("warmup")
+    )
+    assert {"rl pool", "heldout unseen"} <= set(stages["warmup"].needs) & set(
+        stages["sft reward variance"].needs
+    )
+    pool = tmp_path / "rl-pool" / "train"
+
+    def flag(command, name):
+        return command[command.index(name) + 1]
+
+    for name in ("warmup", "warmup-binary", "rl", "rl-binary"):
+        assert f"tasks.directory={pool}" in stages[name].command
+    assert flag(stages["sft reward variance"].command, "--tasks") == str(pool)
+    assert flag(stages["demonstrations"].command, "--tasks") == str(tmp_path / "tasks" / "train")
+    assert flag(stages["eval rl greedy"].command, "--tasks") == str(tmp_path / "tasks" / "heldout")
+    for name in ("tasks", "rl pool"):
+        subprocess.run(stages[name].command, check=True, capture_output=True, env=demo.env)
+        assert stages[name].complete()
+    demo.logs.mkdir()
+    assert not stages["heldout unseen"].complete()
+    stages["heldout unseen"].action()
+    assert stages["heldout unseen"].complete()
+    manifest = json.loads((tmp_path / "rl-pool" / "manifest.json").read_text())
+    families_of = {}
+    for task in manifest["tasks"]:
+        assert task["split"] == "train"
+        families_of.setdefault(task["category"], set()).add(task["family"])
+    assert {len(families) for families in families_of.values()} == {2}
+    assert {path.name for path in pool.iterdir()} == {Path(task["path"]).name for task in manifest["tasks"]}
+
+
+def test_a_campaign_training_on_heldout_tasks_is_refused_before_any_warm_up(tmp_path):
+    """The `heldout unseen` stage reads the suite the demo generated and refuses, in one line
+    naming the task and what it shares, a campaign whose tasks.directory holds a held-out task
+    (the held-out split itself; a train directory with one held-out task copied in); a campaign
+    on a train subset passes and is not checked again."""
+    import shutil
+
+    from t1jax.controller.config import ConfigError
+    from t1jax.demo.driver import Demo
+
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    tasks = dataclasses.replace(config.tasks, n=160, families_per_category=6, heldout_tasks=None)
+    config = dataclasses.replace(config, tasks=tasks)
+    out = tmp_path / "demo"
+    first = {s.name: s for s in Demo(config, base_dir, out).stages()}
+    subprocess.run(first["tasks"].command, check=True, capture_output=True)
+    (out / "logs").mkdir()
+    first["heldout unseen"].action()
+    mixed = tmp_path / "mixed"
+    shutil.copytree(out / "tasks" / "train", mixed)
+    leaked = sorted((out / "tasks" / "heldout").iterdir())[0]
+    shutil.copytree(leaked, mixed / leaked.name)
+    for directory, needle in [(out / "tasks" / "heldout", "shares family"), (mixed, "shares family")]:
+        demo = Demo(config, base_dir, out, campaigns={"rl-leak": {"tasks.directory": str(directory)}})
+        check = {s.name: s for s in demo.stages()}["heldout unseen"]
+        assert not check.complete()  # another directory: checked again
+        with pytest.raises(
+            ConfigError, match=f"RL tasks {directory}: .* {needle} .* with the held-out split"
+        ):
+            check.action()
+        assert not check.complete()
+    subset = tmp_path / "subset"
+    shutil.copytree(out / "tasks" / "train", subset)
+    demo = Demo(config, base_dir, out, campaigns={"rl-sub": {"tasks.directory": str(subset)}})
+    check = {s.name: s for s in demo.stages()}["heldout unseen"]
+    check.action()
+    assert check.complete() and {s.name: s for s in demo.stages()}["heldout unseen"].complete()
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "3"])
+def test_rl_pool_size_must_be_a_positive_integer(value):
+    from t1jax.demo.driver import TasksStage
+
+    with pytest.raises(ValueError, match="tasks.rl_families_per_category must be an integer >= 1 or null"):
+        TasksStage(rl_families_per_category=value)
+
+
 def test_a_campaign_is_the_rl_stage_plus_its_overrides_warm_up_shared_when_it_cannot_differ(tmp_path):
-    """`--campaign`: an actor-only campaign (learning rate, steps) starts from the demo's own
-    warm-up critic; one whose override reaches a warm-up (the sampling temperature) warms up its
-    own, with that override but without the RL-only ones."""
+    """`--campaign`: an actor-only campaign (learning rate, steps, centred advantages) starts from
+    the demo's own warm-up critic; one whose override reaches a warm-up (the sampling temperature)
+    warms up its own, with that override but without the RL-only ones."""
     from t1jax.demo.driver import Demo
 
     config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
     campaigns = {"rl-lr6": {"rl.actor_optimizer.learning_rate": 6e-4, "run.steps": 16},
-                 "rl-t07": {"sampling.temperature": 0.7, "run.steps": 16}}  # fmt: skip
+                 "rl-t07": {"sampling.temperature": 0.7, "run.steps": 16},
+                 "rl-center": {"rl.advantages.center": True}}  # fmt: skip
     demo = Demo(config, base_dir, tmp_path, campaigns=campaigns)
     stages = {s.name: s.command for s in demo.stages()}
     assert [n for n in stages if not n.startswith("eval")] == [
@@ -327,12 +424,14 @@ def test_a_campaign_is_the_rl_stage_plus_its_overrides_warm_up_shared_when_it_ca
         "base",
         "demonstrations",
         "sft",
+        "heldout unseen",
         "sft reward variance",
         "warmup",
         "warmup-t07",
         "rl",
         "rl-lr6",
         "rl-t07",
+        "rl-center",
     ]
     assert {f"eval {name} {mode}" for name in campaigns for mode in ("greedy", "sampled")} <= set(stages)
 
@@ -348,6 +447,8 @@ def test_a_campaign_is_the_rl_stage_plus_its_overrides_warm_up_shared_when_it_ca
     assert extra("warmup-t07") == {"sampling.temperature=0.7"}  # not the RL run's length
     assert extra("rl-t07") == {"sampling.temperature=0.7", "run.steps=16"}
     assert f"model.critic_checkpoint={tmp_path / 'warmup-t07'}" in sets("rl-t07")
+    # centring the advantages changes the actor's update only, not the critic's targets
+    assert f"model.critic_checkpoint={tmp_path / 'warmup'}" in sets("rl-center")
     assert extra("rl") == extra("warmup") == set()  # the demo's own run is untouched
     assert ("rl-lr6", "sft") in demo.comparisons() and ("rl", "rl-t07") in demo.comparisons()
 
@@ -574,7 +675,8 @@ def test_the_stages_see_as_many_cpu_devices_as_the_training_configs_split(tmp_pa
     rl = yaml.safe_load((DEMO_CONFIGS / "rl.yaml").read_text())["devices"]
     demo = Demo(config, base_dir, tmp_path)
     assert demo.env["XLA_FLAGS"].split() == [
-        "--xla_cpu_enable_fast_math=false", f"{count}={rl['trainer'] + rl['sampler']}"
+        "--xla_cpu_enable_fast_math=false",
+        f"{count}={rl['trainer'] + rl['sampler']}",
     ]
     # a campaign that samples on two devices needs one more, for every stage
     wider = {"rl-wide": {"devices.sampler": 2, "sampler.mesh": {"tensor": 2}}}
