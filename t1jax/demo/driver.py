@@ -177,15 +177,15 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
 
 
 # Overrides only an RL run can feel. The warm-up holds the actor (schedule.train_actor: false), so
-# the actor's optimizer, clip and epochs, and how its advantages are centred or whitened (the
-# critic's targets are the returns, which neither changes), never reach it, and its length, seed
-# and bookkeeping are its own. A campaign whose every override is one of these starts from the
-# demo's own warm-up critic; any other override (a reward, a sampling temperature, the critic's
-# optimizer, the batch, the task pool) can change the critic a warm-up fits, so that campaign
-# warms up its own, with those overrides.
+# the actor's optimizer, clip and epochs, and how its advantages are centred, whitened or cut at 0
+# (the critic's targets are the returns, which none of these changes; gamma and lambda do change
+# them), never reach it, and its length, seed and bookkeeping are its own. A campaign whose every
+# override is one of these starts from the demo's own warm-up critic; any other override (a
+# reward, a sampling temperature, the critic's optimizer, the batch, the task pool) can change the
+# critic a warm-up fits, so that campaign warms up its own, with those overrides.
 RL_ONLY_OVERRIDES = ("rl.actor_optimizer", "rl.ppo.clip_eps", "rl.ppo.actor_epochs", "rl.advantages.center",
-                     "rl.advantages.normalize", "run.steps", "run.seed", "run.name", "checkpoint",
-                     "logging")  # fmt: skip
+                     "rl.advantages.normalize", "rl.advantages.drop_negative", "run.steps", "run.seed",
+                     "run.name", "checkpoint", "logging")  # fmt: skip
 CAMPAIGN_NAME = re.compile(r"rl-[a-z0-9][a-z0-9_.-]*")
 
 

@@ -34,21 +34,27 @@ class AdvantageConfig:
     way by the gap. Centring removes that common offset while keeping the differences between
     trajectories on the reward's absolute scale. `normalize` (whiten: centre, then divide by the
     standard deviation) implies it.
+
+    `drop_negative` (also not the paper's, off by default) sets every advantage below 0 to 0 after
+    any centring: the update then only raises the probability of what beat the baseline (an
+    advantage-weighted imitation of the policy's own better rollouts) and never pushes a sampled
+    token down, which spreads a sharp policy's mass onto tokens no rollout tried.
     """
 
     gamma: float = 1.0
     lam: float = 1.0
     normalize: bool = False
     center: bool = False
+    drop_negative: bool = False
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
             raise ValueError(f"advantages.gamma and .lam must lie in [0, 1], got {self.gamma}, {self.lam}")
 
     @property
-    def recentred(self) -> bool:
-        """Whether the learner shifts the advantages by the batch mean (centre or whiten)."""
-        return self.center or self.normalize
+    def reshaped(self) -> bool:
+        """Whether the actor's advantages differ from GAE's (centred, whitened or cut at 0)."""
+        return self.center or self.normalize or self.drop_negative
 
 
 @dataclass(frozen=True)

@@ -660,20 +660,21 @@ class Learner:
             ]
 
     def advantages(
-        self, batch: PreparedBatch, old_values: Sequence[jax.Array], *, recentre: bool | None = None
+        self, batch: PreparedBatch, old_values: Sequence[jax.Array], *, reshape: bool | None = None
     ) -> tuple[list[jax.Array], list[jax.Array]]:
         """GAE advantages and returns per micro-batch from the given values (Eq. 16). With
-        `recentre` (default: `advantages.center` or `.normalize`) the advantages are shifted by
-        the whole batch's mean over action tokens and, under `normalize`, divided by its standard
-        deviation; the returns (the critic's targets) never change."""
+        `reshape` (default: `advantages.reshaped`) the advantages are then shifted by the whole
+        batch's mean over action tokens (`center` or `normalize`), divided by its standard
+        deviation (`normalize`) and cut at 0 from below (`drop_negative`), in that order; the
+        returns (the critic's targets) never change."""
         cfg = self.config.advantages
-        recentre = cfg.recentred if recentre is None else recentre
+        reshape = cfg.reshaped if reshape is None else reshape
         mbs = batch.micro_batches
         with self._mesh_context():
             pairs = [self._programs.gae(mb, v) for mb, v in zip(mbs, old_values, strict=True)]
             advantages = [a for a, _ in pairs]
             returns = [r for _, r in pairs]
-            if recentre:
+            if reshape and (cfg.center or cfg.normalize):
                 moments = _merged(
                     masked_moments(a, mb.action_mask) for mb, a in zip(mbs, advantages, strict=True)
                 )
@@ -683,6 +684,8 @@ class Learner:
                     normalize_advantages(a, mb.action_mask, moments.mean, scale, eps)
                     for mb, a in zip(mbs, advantages, strict=True)
                 ]
+            if reshape and cfg.drop_negative:
+                advantages = [jnp.maximum(a, 0.0) for a in advantages]
         return advantages, returns
 
     def actor_gradients(
@@ -736,7 +739,7 @@ class Learner:
             )
         # (2) V_old and (3) GAE, both before any update.
         old_values = self.values(batch)
-        advantages, returns = self.advantages(batch, old_values, recentre=False)
+        advantages, returns = self.advantages(batch, old_values, reshape=False)
         # (5, hoisted) the trainer's own old log-probs under replayed routing, no gradient, with
         # the weights of the version that generated the batch (Eq. 26). They depend on the actor
         # only, so computing them before the critic update changes nothing.
@@ -745,8 +748,8 @@ class Learner:
         metrics: dict[str, Any] = {}
         with self._mesh_context():
             metrics.update(programs.diagnostics(mbs, old_values, advantages, returns, old_logprobs))
-            if self.config.advantages.recentred:  # after the diagnostics, which report raw advantages
-                advantages, _ = self.advantages(batch, old_values, recentre=True)
+            if self.config.advantages.reshaped:  # after the diagnostics, which report raw advantages
+                advantages, _ = self.advantages(batch, old_values, reshape=True)
 
             # (4) the critic first, its value clip anchored at V_old.
             critic_params, critic_master, critic_opt_state = (

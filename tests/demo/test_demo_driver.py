@@ -416,7 +416,8 @@ def test_a_campaign_is_the_rl_stage_plus_its_overrides_warm_up_shared_when_it_ca
     config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
     campaigns = {"rl-lr6": {"rl.actor_optimizer.learning_rate": 6e-4, "run.steps": 16},
                  "rl-t07": {"sampling.temperature": 0.7, "run.steps": 16},
-                 "rl-center": {"rl.advantages.center": True}}  # fmt: skip
+                 "rl-center": {"rl.advantages.center": True,
+                               "rl.advantages.drop_negative": True}}  # fmt: skip
     demo = Demo(config, base_dir, tmp_path, campaigns=campaigns)
     stages = {s.name: s.command for s in demo.stages()}
     assert [n for n in stages if not n.startswith("eval")] == [
@@ -447,8 +448,11 @@ def test_a_campaign_is_the_rl_stage_plus_its_overrides_warm_up_shared_when_it_ca
     assert extra("warmup-t07") == {"sampling.temperature=0.7"}  # not the RL run's length
     assert extra("rl-t07") == {"sampling.temperature=0.7", "run.steps=16"}
     assert f"model.critic_checkpoint={tmp_path / 'warmup-t07'}" in sets("rl-t07")
-    # centring the advantages changes the actor's update only, not the critic's targets
+    # centring the advantages changes the actor's update only, not the critic's targets; lambda
+    # changes the returns the critic fits
     assert f"model.critic_checkpoint={tmp_path / 'warmup'}" in sets("rl-center")
+    lam = Demo(config, base_dir, tmp_path, campaigns={"rl-lam": {"rl.advantages.lam": 0.95}})
+    assert lam.warmup_dir("rl-lam") == tmp_path / "warmup-lam"
     assert extra("rl") == extra("warmup") == set()  # the demo's own run is untouched
     assert ("rl-lr6", "sft") in demo.comparisons() and ("rl", "rl-t07") in demo.comparisons()
 

@@ -576,32 +576,36 @@ def test_minibatches_epochs_and_global_advantage_normalisation(models, rl_config
     assert metrics["advantages/mean"] != pytest.approx(0.0, abs=1e-3)  # reported before normalising
 
 
-def test_centred_advantages_keep_their_scale_and_only_lose_the_batch_mean(models, rl_config, samples):
+@pytest.mark.parametrize("drop_negative", [False, True])
+def test_centred_advantages_keep_their_scale_and_only_lose_the_batch_mean(
+    models, rl_config, samples, drop_negative
+):
     """`advantages.center`: every action token's advantage minus the whole batch's mean over
-    action tokens (computed here by hand from the raw advantages), nothing rescaled; the
-    returns are untouched; masked rows stay 0; the step reports the raw advantages."""
+    action tokens (computed here by hand from the raw advantages), nothing rescaled; with
+    `drop_negative` those below 0 then become 0. The returns are untouched; masked rows stay 0;
+    the step reports the raw advantages."""
 
-    learner = Learner(
-        *models,
-        dataclasses.replace(rl_config, advantages=dataclasses.replace(rl_config.advantages, center=True)),
-    )
+    shaping = dataclasses.replace(rl_config.advantages, center=True, drop_negative=drop_negative)
+    learner = Learner(*models, dataclasses.replace(rl_config, advantages=shaping))
     halves = build_micro_batches(samples[:2], rl_config.batching) + build_micro_batches(
         samples[2:], rl_config.batching
     )
     batch = learner.put(halves)
     values = learner.values(batch)
-    raw, raw_returns = learner.advantages(batch, values, recentre=False)
-    centred, returns = learner.advantages(batch, values)
+    raw, raw_returns = learner.advantages(batch, values, reshape=False)
+    shaped, returns = learner.advantages(batch, values)
     masks = [np.asarray(mb.action_mask) > 0 for mb in batch.micro_batches]
     flat_raw = np.concatenate([np.asarray(a)[m] for a, m in zip(raw, masks, strict=True)]).astype(np.float64)
     mean = flat_raw.sum() / flat_raw.size
     assert abs(mean) > 1e-3  # the check below would pass trivially on a zero-mean batch
-    for a, c, m, r, rr in zip(raw, centred, masks, returns, raw_returns, strict=True):
-        np.testing.assert_allclose(np.asarray(c)[m], np.asarray(a)[m] - mean, atol=1e-5)
+    assert (flat_raw < mean).any() and (flat_raw > mean).any()  # both sides of the cut exercised
+    for a, c, m, r, rr in zip(raw, shaped, masks, returns, raw_returns, strict=True):
+        expected = np.asarray(a)[m] - mean
+        if drop_negative:
+            expected = np.maximum(expected, 0.0)
+        np.testing.assert_allclose(np.asarray(c)[m], expected, atol=1e-5)
         assert not np.asarray(c)[~m].any()
         np.testing.assert_array_equal(np.asarray(r), np.asarray(rr))
-    flat = np.concatenate([np.asarray(c)[m] for c, m in zip(centred, masks, strict=True)])
-    assert flat.std() == pytest.approx(flat_raw.std(), rel=1e-4)  # not whitened
     assert learner.step(batch)["advantages/mean"] == pytest.approx(mean, abs=1e-5)
 
 
