@@ -662,19 +662,28 @@ class Learner:
     def advantages(
         self, batch: PreparedBatch, old_values: Sequence[jax.Array], *, reshape: bool | None = None
     ) -> tuple[list[jax.Array], list[jax.Array]]:
-        """GAE advantages and returns per micro-batch from the given values (Eq. 16). With
-        `reshape` (default: `advantages.reshaped`) the advantages are then shifted by the whole
-        batch's mean over action tokens (`center` or `normalize`), divided by its standard
-        deviation (`normalize`) and cut at 0 from below (`drop_negative`), in that order; the
-        returns (the critic's targets) never change."""
-        cfg = self.config.advantages
-        reshape = cfg.reshaped if reshape is None else reshape
-        mbs = batch.micro_batches
+        """GAE advantages and returns per micro-batch from the given values (Eq. 16), the
+        advantages then reshaped (`reshape_advantages`) when `reshape` (default:
+        `advantages.reshaped`); the returns (the critic's targets) are never reshaped."""
+        reshape = self.config.advantages.reshaped if reshape is None else reshape
         with self._mesh_context():
-            pairs = [self._programs.gae(mb, v) for mb, v in zip(mbs, old_values, strict=True)]
-            advantages = [a for a, _ in pairs]
-            returns = [r for _, r in pairs]
-            if reshape and (cfg.center or cfg.normalize):
+            pairs = [self._programs.gae(mb, v) for mb, v in zip(batch.micro_batches, old_values, strict=True)]
+        advantages = [a for a, _ in pairs]
+        returns = [r for _, r in pairs]
+        if reshape:
+            advantages = self.reshape_advantages(batch, advantages)
+        return advantages, returns
+
+    def reshape_advantages(self, batch: PreparedBatch, advantages: Sequence[jax.Array]) -> list[jax.Array]:
+        """The batch's GAE advantages as the actor's update takes them: shifted by the whole
+        batch's mean over action tokens (`center` or `normalize`), divided by its standard
+        deviation (`normalize`) and cut at 0 from below (`drop_negative`), in that order; as given
+        when none is set."""
+        cfg = self.config.advantages
+        mbs = batch.micro_batches
+        advantages = list(advantages)
+        with self._mesh_context():
+            if cfg.center or cfg.normalize:
                 moments = _merged(
                     masked_moments(a, mb.action_mask) for mb, a in zip(mbs, advantages, strict=True)
                 )
@@ -684,9 +693,9 @@ class Learner:
                     normalize_advantages(a, mb.action_mask, moments.mean, scale, eps)
                     for mb, a in zip(mbs, advantages, strict=True)
                 ]
-            if reshape and cfg.drop_negative:
+            if cfg.drop_negative:
                 advantages = [jnp.maximum(a, 0.0) for a in advantages]
-        return advantages, returns
+        return advantages
 
     def actor_gradients(
         self, batch: PreparedBatch, old_logprobs: Sequence[jax.Array], advantages: Sequence[jax.Array]
@@ -749,7 +758,7 @@ class Learner:
         with self._mesh_context():
             metrics.update(programs.diagnostics(mbs, old_values, advantages, returns, old_logprobs))
             if self.config.advantages.reshaped:  # after the diagnostics, which report raw advantages
-                advantages, _ = self.advantages(batch, old_values, reshape=True)
+                advantages = self.reshape_advantages(batch, advantages)
 
             # (4) the critic first, its value clip anchored at V_old.
             critic_params, critic_master, critic_opt_state = (
