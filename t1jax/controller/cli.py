@@ -75,8 +75,11 @@ def train(config, run_dir, *, resume: bool, base_dir: Path) -> int:
     """Check the split against the visible devices, then run the controller (the test suite and
     notebooks call this directly)."""
     from t1jax.controller.loop import Controller
+    from t1jax.host_devices import request_host_devices
 
     if not config.run.pathways:
+        # a CPU host shows one device unless asked (t1jax.host_devices); an accelerator ignores it
+        request_host_devices(config.devices.trainer + config.devices.sampler)
         import jax
 
         config.check_devices(len(jax.devices()))

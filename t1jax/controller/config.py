@@ -183,10 +183,17 @@ class SamplingSection:
 @dataclass(frozen=True)
 class ScheduleSection:
     """`batch_size` trials admitted per step out of `launch_size` launched (§4.4: 512 of 560);
-    `async_rollouts`: generate step t+1 while step t trains (App. 12.1; staleness exactly 1)."""
+    `async_rollouts`: generate step t+1 while step t trains (App. 12.1; staleness exactly 1).
+
+    `rollouts_per_task` (default 1, the paper's: one rollout per task, §9.4): a step draws
+    `launch_size / rollouts_per_task` tasks and launches each that many times (distinct trial ids,
+    hence distinct sampling seeds), so the batch holds groups of rollouts of one task, which
+    `rl.advantages.baseline: task` uses as a per-task baseline. The oversampling tail is cancelled
+    as ever, so an admitted group may be smaller than `rollouts_per_task`."""
 
     batch_size: int = 512
     launch_size: int = 560
+    rollouts_per_task: int = 1
     async_rollouts: bool = True
     # False holds the actor: a critic warm-up run (§4.5) trains the value network on rollouts of a
     # fixed policy, and its critic weights seed the RL run (model.critic_checkpoint).
@@ -291,7 +298,7 @@ class RunConfig:
         positive("devices", ("trainer", "sampler"))
         positive("sampler", ("max_batch", "max_context", "block_size"))
         positive("sandboxes", ("max_live", "create_attempts", "agent_timeout_sec", "verifier_timeout_sec"))
-        positive("schedule", ("batch_size", "launch_size"))
+        positive("schedule", ("batch_size", "launch_size", "rollouts_per_task"))
         positive("checkpoint", ("weights_every", "state_every", "keep_states"))
         positive("liveness", ("probe_period_sec", "probe_deadline_sec", "publish_barrier_timeout_sec"))
         need(self.liveness.probe_grace_sec >= 0, "liveness.probe_grace_sec", "must be >= 0")
@@ -334,9 +341,15 @@ class RunConfig:
         need(schedule.batch_size <= schedule.launch_size, "schedule.batch_size",
              f"{schedule.batch_size} admitted cannot exceed the {schedule.launch_size} launched "
              "(schedule.launch_size)")  # fmt: skip
+        need(schedule.launch_size % schedule.rollouts_per_task == 0, "schedule.rollouts_per_task",
+             f"{schedule.rollouts_per_task} does not divide schedule.launch_size {schedule.launch_size} "
+             "(a step launches whole groups)")  # fmt: skip
         sampling = self.sampling
-        need(sampling.temperature > 0, "sampling.temperature",
-             f"must be > 0 (a greedy rollout has no distribution to optimise), got {sampling.temperature}")
+        need(
+            sampling.temperature > 0,
+            "sampling.temperature",
+            f"must be > 0 (a greedy rollout has no distribution to optimise), got {sampling.temperature}",
+        )
         need(sampling.top_p == 1.0 and sampling.top_k == 0, "sampling.top_p",
              f"training rollouts need top_p 1 and top_k 0 (the learner scores the whole vocabulary), "
              f"got top_p {sampling.top_p}, top_k {sampling.top_k}")  # fmt: skip
@@ -410,7 +423,9 @@ class RunConfig:
         if need > available:
             raise ConfigError(
                 f"devices: trainer {self.devices.trainer} + sampler {self.devices.sampler} = {need} devices, "
-                f"but the process sees {available}"
+                f"but the process sees {available} (a CPU host shows more when XLA_FLAGS has "
+                f"--xla_force_host_platform_device_count={need} before jax starts; t1jax train sets it "
+                "when XLA_FLAGS names no count)"
             )
         if plan_devices is not None and plan_devices != self.devices.trainer:
             raise ConfigError(

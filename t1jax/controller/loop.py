@@ -4,8 +4,9 @@ step ahead, and survives a crash (paper §2, §2.2, §4.4, §7.3-7.5, App. 12.1)
 One RL step t (with `schedule.async_rollouts`, the default):
 
     launch rollout R_t (the batch step t + 1 trains on) in the background, under the published
-        version v_{t-1}: `schedule.launch_size` pool draws, the first `batch_size` to complete
-        admitted, the tail cancelled (§4.4)
+        version v_{t-1}: `schedule.launch_size` trials (pool draws, or launch_size /
+        `rollouts_per_task` draws rolled out that many times each), the first `batch_size` to
+        complete admitted, the tail cancelled (§4.4)
     train on R_{t-1}: critic, then actor with replayed routing; the learner asserts the batch is
         exactly `expected_staleness` behind (1; 0 on the first step of a process)
     wait for R_t, then publish v_t at the barrier (no trial running), trainer mesh -> sampler mesh
@@ -267,9 +268,9 @@ class Controller:
             in_flight = None
             next_draws = None
             if asynchronous and step < steps:
-                next_draws = self.pool.draw(config.schedule.launch_size)
-                in_flight, extra_draws = self._launch(step + 1, next_draws)
-                self.display.refresh(phase="training + rollout", launched=len(next_draws) + len(extra_draws))
+                next_draws = self.pool.draw(self._draws_per_launch)
+                in_flight, extra_draws, launched = self._launch(step + 1, next_draws)
+                self.display.refresh(phase="training + rollout", launched=launched)
             else:
                 self.display.refresh(phase="training")
             train_started = time.monotonic()
@@ -372,24 +373,40 @@ class Controller:
             top_k=sampling.top_k,
             seed=self.config.run.seed,
         )
+        group = self.config.schedule.rollouts_per_task
+        if group == 1:  # the paper's one rollout per task keeps its plain trial ids
+            return [
+                TrialSpec(f"s{step:05d}-d{draw.index}", draw.task, params, attempt=draw.epoch)
+                for draw in draws
+            ]
         return [
-            TrialSpec(f"s{step:05d}-d{draw.index}", draw.task, params, attempt=draw.epoch) for draw in draws
+            TrialSpec(f"s{step:05d}-d{draw.index}-r{k}", draw.task, params, attempt=draw.epoch)
+            for draw in draws
+            for k in range(group)
         ]
 
-    def _launch(self, step: int, draws) -> tuple[_BackgroundCollect, list]:
+    @property
+    def _draws_per_launch(self) -> int:
+        """Pool draws a rollout launches: each becomes `rollouts_per_task` trials."""
+        return self.config.schedule.launch_size // self.config.schedule.rollouts_per_task
+
+    def _launch(self, step: int, draws) -> tuple[_BackgroundCollect, list, int]:
         """Start the rollout trained at `step`: trials the run continues (partial rollouts) or
-        launches again (after a resume), then the fresh `draws`. Returns it and the extra draws."""
+        launches again (after a resume), then the fresh `draws` (a group of `rollouts_per_task`
+        trials each). Returns it, the extra draws and the number of trials it runs."""
         carried, self.carried = self.carried, []
         relaunch, self._relaunch = self._relaunch, []
         specs = self._specs(step, [*relaunch, *draws])
-        for spec, draw in zip(specs, [*relaunch, *draws], strict=True):
+        group = self.config.schedule.rollouts_per_task
+        launched_draws = [draw for draw in [*relaunch, *draws] for _ in range(group)]
+        for spec, draw in zip(specs, launched_draws, strict=True):
             self._draw_of[spec.trial_id] = draw
         extra = [self._draw_of[c.trial_id] for c in carried] + relaunch
         pause_tail = self.config.partial_rollouts.enabled
         collect = _BackgroundCollect(
             self.scheduler, specs, self.config.schedule.batch_size, carried=carried, pause_tail=pause_tail
         )
-        return collect, extra
+        return collect, extra, len(specs) + len(carried)
 
     def _collected(self, draws, collected, extra_draws) -> _Batch:
         """A finished rollout; its paused tail is carried to the next one, up to the age limit."""
@@ -403,9 +420,9 @@ class Controller:
 
     def _collect(self, step: int) -> _Batch:
         """A rollout in the foreground (the first one of a process, or every one when synchronous)."""
-        draws = self.pool.draw(self.config.schedule.launch_size)
-        collect, extra = self._launch(step, draws)
-        self.display.refresh(phase="rollout", launched=len(draws) + len(extra))
+        draws = self.pool.draw(self._draws_per_launch)
+        collect, extra, launched = self._launch(step, draws)
+        self.display.refresh(phase="rollout", launched=launched)
         collected = collect.wait(self._poll)
         if self._stop.is_set():
             raise RunInterrupted()
@@ -509,6 +526,8 @@ class Controller:
             relaunch = [draw.index for draw in next_batch.extra_draws]
         # Paused trials cannot outlive the process: after a resume their draws start afresh.
         relaunch += [self._draw_of[c.trial_id].index for c in self.carried]
+        # a draw is relaunched as a whole group, once, however many of its trials were lost
+        relaunch = list(dict.fromkeys(relaunch))
         extra = {
             "step": step,
             "pool": pool,

@@ -4,7 +4,8 @@ else).
     RUN/config.yaml            the resolved run config (every default filled in); --resume reads it
     RUN/metrics.jsonl          one JSON object per step (`step` first), flat `name -> number`
     RUN/events/                TensorBoard event files of the same scalars (tensorboardX)
-    RUN/launches.jsonl         per step: the pool draws launched, admitted, cancelled, failed
+    RUN/launches.jsonl         per step: the pool draws launched; the draw of each trial admitted,
+                               cancelled, failed (a draw once per trial of its group)
     RUN/trajectories/step_<n>.jsonl.gz   each trial of the step: fate, reward, trajectory (ids, text)
     RUN/checkpoints/state/     full resumable states (orbax; `t1jax.controller.checkpoints`)
     RUN/checkpoints/weights/<step>/{actor,critic}   weights only, HF safetensors (t1jax eval loads them)

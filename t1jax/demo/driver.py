@@ -58,6 +58,7 @@ from typing import Any
 import yaml
 
 from t1jax.controller.config import ConfigError, resolve_path, section_from_dict
+from t1jax.host_devices import host_device_flags
 from t1jax.yamlio import load_yaml
 
 
@@ -177,15 +178,17 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
 
 
 # Overrides only an RL run can feel. The warm-up holds the actor (schedule.train_actor: false), so
-# the actor's optimizer, clip and epochs, and how its advantages are centred, whitened or cut at 0
-# (the critic's targets are the returns, which none of these changes; gamma and lambda do change
-# them), never reach it, and its length, seed and bookkeeping are its own. A campaign whose every
-# override is one of these starts from the demo's own warm-up critic; any other override (a
+# the actor's optimizer, clip and epochs, and how its advantages are centred, whitened, cut at 0 or
+# baselined (the critic's targets are the returns, which none of these changes; gamma and lambda do
+# change them), never reach it; nor do the RL run's groups of rollouts per task (a warm-up fits the
+# critic best on distinct tasks); and its length, seed and bookkeeping are its own. A campaign
+# whose every override is one of these starts from the demo's own warm-up critic; any other override (a
 # reward, a sampling temperature, the critic's optimizer, the batch, the task pool) can change the
 # critic a warm-up fits, so that campaign warms up its own, with those overrides.
 RL_ONLY_OVERRIDES = ("rl.actor_optimizer", "rl.ppo.clip_eps", "rl.ppo.actor_epochs", "rl.advantages.center",
-                     "rl.advantages.normalize", "rl.advantages.drop_negative", "run.steps", "run.seed",
-                     "run.name", "checkpoint", "logging")  # fmt: skip
+                     "rl.advantages.normalize", "rl.advantages.drop_negative", "rl.advantages.baseline",
+                     "schedule.rollouts_per_task", "run.steps", "run.seed", "run.name", "checkpoint",
+                     "logging")  # fmt: skip
 CAMPAIGN_NAME = re.compile(r"rl-[a-z0-9][a-z0-9_.-]*")
 
 
@@ -195,20 +198,6 @@ def demo_verdict_holds(verdicts: Mapping[str, Mapping[str, Any]]) -> bool:
     a --campaign's) are reported, not judged."""
     own = [v for name, v in verdicts.items() if name.split(" ")[0] in ("rl>sft", "sft>base")]
     return bool(own) and all(v["beyond_noise"] for v in own)
-
-
-HOST_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-def host_device_flags(xla_flags: str, count: int) -> str:
-    """`xla_flags` with the fake host (CPU) device count set to `count`, every other flag kept.
-
-    The demo's stages get the CPU devices their configs use and no more: XLA:CPU with 8 fake
-    devices ran the demo's SFT step ~19% slower than with 1 or 2 (2.23 / 2.04 s against 1.88 /
-    1.68 s and 1.86 / 1.70 s, two rounds, AMD EPYC 2 cores), and `make` exports 8 for the tests.
-    The flag changes nothing on an accelerator (it only shapes the CPU platform)."""
-    kept = [flag for flag in xla_flags.split() if not flag.startswith(HOST_DEVICE_COUNT_FLAG + "=")]
-    return " ".join([*kept, f"{HOST_DEVICE_COUNT_FLAG}={count}"])
 
 
 def rl_only(key: str) -> bool:
@@ -411,7 +400,10 @@ class Demo:
         self.logs = self.out / "logs"
         # The stages share the compilation cache `t1jax.cli` configured in this environment
         # (t1jax.compilation_cache): each compiles only what no earlier stage or run did. On the
-        # CPU they see exactly the devices the training configs split (`host_device_flags`).
+        # CPU they see exactly the devices the training configs split (`host_device_flags`), no
+        # more: XLA:CPU with 8 fake devices ran the demo's SFT step ~19% slower than with 1 or 2
+        # (2.23 / 2.04 s against 1.88 / 1.68 s and 1.86 / 1.70 s, two rounds, AMD EPYC 2 cores),
+        # and `make` exports 8 for the tests.
         self.env = {**os.environ, "XLA_FLAGS": host_device_flags(os.environ.get("XLA_FLAGS", ""),
                                                                  self._devices_needed())}  # fmt: skip
 

@@ -28,12 +28,21 @@ Recursions, for an action row i with next action row n(i) in the same segment (n
     R_i     = A_i + V(i)
 Both are first-order affine recursions run backwards in time, evaluated with an associative scan
 (log depth in the row length) rather than a sequential loop.
+
+Per-task baselines (`leave_one_out_baselines`, `rl.advantages.baseline: task`): the same
+recursion with V replaced, for the actor only, by a per-sample constant b (the other trajectories'
+mean reward on its task), so with gamma = 1, A_i = r - b at every action row of the sample.
 """
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def gae_advantages(
@@ -100,3 +109,35 @@ def normalize_advantages(
     """(A - mean) / (std + eps) on action rows, 0 elsewhere. `mean`/`std` must be the global
     batch statistics (see `t1jax.rl.diagnostics.Moments`), not this micro-batch's."""
     return jnp.where(action_mask > 0, (advantages - mean) / (std + eps), 0.0)
+
+
+def leave_one_out_baselines(
+    task_ids: Sequence[str], trajectory_ids: Sequence[str], rewards: Sequence[float]
+) -> np.ndarray:
+    """Per sample, float64[N]: the mean reward of the *other* trajectories of its task in the
+    batch, NaN when there is none. Samples of one trajectory (compaction segments) count once
+    and share its reward; a trajectory whose segments disagree on the reward is an error."""
+    if not (len(task_ids) == len(trajectory_ids) == len(rewards)):
+        raise ValueError(
+            f"leave_one_out_baselines: {len(task_ids)} task ids, {len(trajectory_ids)} trajectory ids, "
+            f"{len(rewards)} rewards"
+        )
+    reward_of: dict[str, float] = {}
+    task_of: dict[str, str] = {}
+    for task, trajectory, reward in zip(task_ids, trajectory_ids, rewards, strict=True):
+        if trajectory in reward_of and (reward_of[trajectory] != reward or task_of[trajectory] != task):
+            raise ValueError(
+                f"trajectory {trajectory}: its samples disagree on the task or reward "
+                f"({task_of[trajectory]} {reward_of[trajectory]} against {task} {reward})"
+            )
+        reward_of[trajectory], task_of[trajectory] = float(reward), task
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for trajectory, reward in reward_of.items():
+        totals[task_of[trajectory]] += reward
+        counts[task_of[trajectory]] += 1
+    baselines = np.empty(len(task_ids), np.float64)
+    for i, (task, trajectory) in enumerate(zip(task_ids, trajectory_ids, strict=True)):
+        others = counts[task] - 1
+        baselines[i] = (totals[task] - reward_of[trajectory]) / others if others else math.nan
+    return baselines

@@ -77,6 +77,9 @@ class TrainBatch:
     segment_ids: np.ndarray | jax.Array  # int32, 0 = padding
     positions: np.ndarray | jax.Array  # int32, restarting at 0 for every packed sample
     routing: np.ndarray | jax.Array | None  # int32 [B, T, L, k]
+    # float32, the sample's per-task baseline on each of its rows (NaN where its task has no other
+    # trajectory in the batch, and on padding); None unless `rl.advantages.baseline: task`
+    task_baseline: np.ndarray | jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -93,15 +96,24 @@ def total_loss_tokens(micro_batches: Sequence[TrainBatch]) -> int:
 
 
 def build_micro_batches(
-    samples: Sequence[Sample], config: BatchingConfig, *, data_parallel_size: int = 1
+    samples: Sequence[Sample],
+    config: BatchingConfig,
+    *,
+    data_parallel_size: int = 1,
+    task_baselines: Sequence[float] | None = None,
 ) -> list[TrainBatch]:
     """Pad (and optionally pack) samples into micro-batches of `config.rows_per_micro_batch` rows.
 
     Rows are sorted by length before being cut into micro-batches so each micro-batch picks a
-    tight bucket. The last micro-batch is completed with empty rows (all mask 0).
+    tight bucket. The last micro-batch is completed with empty rows (all mask 0). `task_baselines`
+    (one per sample, NaN for none) fills `TrainBatch.task_baseline`.
     """
     if not samples:
         raise ValueError("build_micro_batches: no samples")
+    if task_baselines is not None and len(task_baselines) != len(samples):
+        raise ValueError(
+            f"build_micro_batches: {len(task_baselines)} task baselines for {len(samples)} samples"
+        )
     if config.rows_per_micro_batch % data_parallel_size:
         raise ValueError(
             f"batching.rows_per_micro_batch = {config.rows_per_micro_batch} is not a multiple of the "
@@ -127,7 +139,7 @@ def build_micro_batches(
         longest = max(sum(len(samples[i].tokens) - 1 for i in row) for row in chunk)
         length = config.row_length_buckets[bisect.bisect_left(config.row_length_buckets, longest)]
         chunk = chunk + [[] for _ in range(per_mb - len(chunk))]
-        micro_batches.append(_fill(samples, chunk, length, routing_shape))
+        micro_batches.append(_fill(samples, chunk, length, routing_shape, task_baselines))
     return micro_batches
 
 
@@ -166,7 +178,11 @@ def _pack_rows(samples: Sequence[Sample], capacity: int) -> list[list[int]]:
 
 
 def _fill(
-    samples: Sequence[Sample], rows: list[list[int]], length: int, routing_shape: tuple[int, int] | None
+    samples: Sequence[Sample],
+    rows: list[list[int]],
+    length: int,
+    routing_shape: tuple[int, int] | None,
+    task_baselines: Sequence[float] | None,
 ) -> TrainBatch:
     num_rows = len(rows)
     input_ids = np.zeros((num_rows, length), np.int32)
@@ -176,6 +192,7 @@ def _fill(
     rewards = np.zeros((num_rows, length), np.float32)
     segment_ids = np.zeros((num_rows, length), np.int32)
     positions = np.zeros((num_rows, length), np.int32)
+    baseline = None if task_baselines is None else np.full((num_rows, length), np.nan, np.float32)
     routing = None
     if routing_shape is not None:
         # Padding rows route to experts 0..k-1: distinct ids, as a replay record must be.
@@ -201,9 +218,19 @@ def _fill(
                 rewards[r, offset + action_rows[-1]] = sample.reward
             if routing is not None:
                 routing[r, span] = sample.routing
+            if baseline is not None:
+                baseline[r, span] = task_baselines[i]
             offset += n_rows
     return TrainBatch(
-        input_ids, target_ids, action_mask, sampler_logprobs, rewards, segment_ids, positions, routing
+        input_ids,
+        target_ids,
+        action_mask,
+        sampler_logprobs,
+        rewards,
+        segment_ids,
+        positions,
+        routing,
+        baseline,
     )
 
 

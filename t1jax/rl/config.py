@@ -21,6 +21,8 @@ from t1jax.rl.optim import OptimizerConfig
 from t1jax.rl.reward import RewardConfig
 from t1jax.yamlio import load_yaml
 
+BASELINES = ("critic", "task")
+
 
 @dataclass(frozen=True)
 class AdvantageConfig:
@@ -39,6 +41,14 @@ class AdvantageConfig:
     any centring: the update then only raises the probability of what beat the baseline (an
     advantage-weighted imitation of the policy's own better rollouts) and never pushes a sampled
     token down, which spreads a sharp policy's mass onto tokens no rollout tried.
+
+    `baseline` is the value function the *actor's* GAE subtracts: `critic` (the paper's: V(s) of
+    the learnt critic at every state) or `task` (not the paper's, §9.4 explains why it chose the
+    critic for long horizons): for a sample whose task has other trajectories in the batch
+    (`schedule.rollouts_per_task` > 1), the mean reward of those others (leave-one-out, so a
+    trajectory's own reward never enters its baseline) at every one of its states; samples alone
+    in their task keep the critic's values. With gamma = 1 every action of such a sample then gets
+    A = r - (mean of the others' r). The critic trains on its own returns either way.
     """
 
     gamma: float = 1.0
@@ -46,10 +56,15 @@ class AdvantageConfig:
     normalize: bool = False
     center: bool = False
     drop_negative: bool = False
+    baseline: str = "critic"
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
             raise ValueError(f"advantages.gamma and .lam must lie in [0, 1], got {self.gamma}, {self.lam}")
+        if self.baseline not in BASELINES:
+            raise ValueError(
+                f"advantages.baseline must be one of {', '.join(BASELINES)}, got {self.baseline!r}"
+            )
 
     @property
     def reshaped(self) -> bool:

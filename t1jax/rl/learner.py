@@ -9,7 +9,8 @@ step (`Learner.step`), in this order:
    `ShardingPlan`: data, fsdp, expert, and the sequence over context);
 2. V_old: the critic's values before any update this step, no gradient (Eq. 28: V_old = V_phi_{t-1});
 3. advantages and returns by GAE from V_old and the rewards (Eq. 16); explained variance of V_old
-   (Eq. 19) over the whole batch;
+   (Eq. 19) over the whole batch (with `advantages.baseline: task` the actor's advantages take the
+   per-task baselines for V where the batch has them; the critic's returns never do);
 4. critic update(s) with the clipped value loss anchored at V_old (Eq. 17);
 5. old log-probs recomputed by the trainer with the weights of the actor version that generated
    the batch (kept by `publish_actor`) and routing replayed from the samples' records, no
@@ -59,6 +60,7 @@ import dataclasses
 import functools
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +84,7 @@ from t1jax.parallel.plan import (
 )
 from t1jax.parallel.plan import make_mesh as make_plan_mesh
 from t1jax.parallel.rules import ACT_BATCH, ACT_LENGTH, DEFAULT_RULES, resolve_spec, state_shardings
-from t1jax.rl.advantages import gae_advantages, normalize_advantages
+from t1jax.rl.advantages import gae_advantages, leave_one_out_baselines, normalize_advantages
 from t1jax.rl.batching import TrainBatch, build_micro_batches, split_into_minibatches
 from t1jax.rl.config import RLConfig
 from t1jax.rl.diagnostics import Moments, explained_variance_from_moments, logprob_gap_sum, masked_moments
@@ -631,8 +633,16 @@ class Learner:
         versions = tuple(sorted({s.policy_version for s in samples}))
         if len(versions) > 1:
             raise MixedPolicyVersions(f"a batch of {len(samples)} samples", versions)
+        baselines = None
+        if self.config.advantages.baseline == "task":
+            baselines = leave_one_out_baselines(
+                [s.task_id for s in samples], [s.trajectory_id for s in samples], [s.reward for s in samples]
+            )
         micro_batches = build_micro_batches(
-            samples, self.config.batching, data_parallel_size=self.data_parallel_size
+            samples,
+            self.config.batching,
+            data_parallel_size=self.data_parallel_size,
+            task_baselines=baselines,
         )
         return self.put(micro_batches, policy_version=versions[0] if versions else None)
 
@@ -664,12 +674,19 @@ class Learner:
     ) -> tuple[list[jax.Array], list[jax.Array]]:
         """GAE advantages and returns per micro-batch from the given values (Eq. 16), the
         advantages then reshaped (`reshape_advantages`) when `reshape` (default:
-        `advantages.reshaped`); the returns (the critic's targets) are never reshaped."""
+        `advantages.reshaped`); the returns (the critic's targets) are never reshaped. Under
+        `advantages.baseline: task` the advantages come from a second GAE pass whose values are
+        the samples' per-task baselines where the batch has one (the critic's elsewhere)."""
         reshape = self.config.advantages.reshaped if reshape is None else reshape
         with self._mesh_context():
             pairs = [self._programs.gae(mb, v) for mb, v in zip(batch.micro_batches, old_values, strict=True)]
-        advantages = [a for a, _ in pairs]
-        returns = [r for _, r in pairs]
+            advantages = [a for a, _ in pairs]
+            returns = [r for _, r in pairs]
+            if self.config.advantages.baseline == "task":
+                advantages = [
+                    self._programs.gae(mb, _with_task_baseline(mb, v))[0]
+                    for mb, v in zip(batch.micro_batches, old_values, strict=True)
+                ]
         if reshape:
             advantages = self.reshape_advantages(batch, advantages)
         return advantages, returns
@@ -896,6 +913,13 @@ class Learner:
         return params, master, opt_state, metrics
 
 
+def _with_task_baseline(mb: TrainBatch, values: jax.Array) -> jax.Array:
+    """The critic's values with each row of a sample that has a per-task baseline replaced by it."""
+    if mb.task_baseline is None:
+        raise ValueError("advantages.baseline is task, but the batch was prepared without task baselines")
+    return jnp.where(jnp.isnan(mb.task_baseline), values, mb.task_baseline)
+
+
 def batch_diagnostics(micro_batches, old_values, advantages, returns, old_logprobs) -> dict[str, jax.Array]:
     """Whole-batch diagnostics before any update: explained variance of V_old against the GAE
     returns (Eq. 19, variances merged exactly across micro-batches), value/return/advantage
@@ -945,6 +969,14 @@ def _batch_metrics(batch: PreparedBatch, samples) -> dict[str, float]:
         metrics["batch/num_samples"] = float(len(samples))
         metrics["batch/sample_reward_mean"] = float(np.mean([s.reward for s in samples]))
         metrics["batch/samples_without_loss_tokens"] = float(sum(s.num_loss_tokens == 0 for s in samples))
+        if batch.micro_batches[0].task_baseline is not None:
+            # how many trajectories the per-task baseline reached (the rest kept the critic's)
+            trajectories = {s.trajectory_id: s.task_id for s in samples}
+            per_task = Counter(trajectories.values())
+            metrics["batch/task_baseline_share"] = sum(per_task[t] > 1 for t in trajectories.values()) / len(
+                trajectories
+            )
+            metrics["batch/distinct_tasks"] = float(len(per_task))
     return metrics
 
 

@@ -32,6 +32,7 @@ def test_defaults_are_the_papers():
     live = config.liveness
     assert (live.probe_grace_sec, live.probe_period_sec, live.probe_deadline_sec) == (600, 30, 120)
     assert config.schedule.async_rollouts and not config.partial_rollouts.enabled
+    assert config.schedule.rollouts_per_task == 1 and adv.baseline == "critic"  # one trajectory a task (§5.3)
 
 
 def test_the_bundled_run_config_loads_and_resolves_every_default():
@@ -71,6 +72,12 @@ def write(tmp_path, **sections) -> Path:
         ({"sandboxes__backend": "docker-swarm"}, "sandboxes.backend: unknown backend 'docker-swarm'"),
         ({"sampling__top_p": 0.9}, "sampling.top_p: training rollouts need top_p 1 and top_k 0"),
         ({"sampling__temperature": 0.0}, "sampling.temperature: must be > 0"),
+        (
+            {"schedule__rollouts_per_task": 4},
+            "schedule.rollouts_per_task: 4 does not divide schedule.launch_size 6",
+        ),
+        ({"schedule__rollouts_per_task": 0}, "schedule.rollouts_per_task: must be > 0"),
+        ({"rl": {"advantages": {"baseline": "group"}}}, "advantages.baseline must be one of critic, task"),
         ({"rl": {"ppo": {"temperature": 0.5}}}, "rl.ppo.temperature 0.5 differs from sampling.temperature"),
     ],
 )
@@ -112,6 +119,33 @@ def test_impossible_device_splits_fail_before_any_device_work(tmp_path):
         config.check_devices(6)
     with pytest.raises(ConfigError, match="trainer.plan: plan .* needs 8 devices, devices.trainer is 4"):
         config.check_devices(8, plan_devices=8)
+
+
+def test_a_cpu_run_gets_the_devices_its_split_needs_unless_the_user_chose_a_count(monkeypatch):
+    """`t1jax train` on a CPU host asks XLA for devices.trainer + devices.sampler devices when
+    XLA_FLAGS names no count (a fresh process, so jax really starts with them); a count the user
+    set, and every other flag, are kept."""
+    import os
+    import subprocess
+    import sys
+
+    from t1jax import host_devices
+    from t1jax.host_devices import request_host_devices
+
+    monkeypatch.setattr(host_devices, "_backends_started", lambda: False)  # this worker's have
+    environ = {"XLA_FLAGS": "--xla_cpu_use_thunk_runtime=true"}
+    assert request_host_devices(3, environ)
+    assert environ["XLA_FLAGS"] == "--xla_cpu_use_thunk_runtime=true --xla_force_host_platform_device_count=3"
+    chosen = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    assert not request_host_devices(3, chosen) and chosen["XLA_FLAGS"].endswith("=8")
+    probe = (
+        "import os, jax; from t1jax.host_devices import request_host_devices; "
+        "asked = request_host_devices(3); n = len(jax.devices()); del os.environ['XLA_FLAGS']; "
+        "print(asked, n, request_host_devices(5))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, cwd=REPO)
+    assert out.stdout.split() == ["True", "3", "False"], out.stderr[-2000:]  # started: not asked again
 
 
 def test_the_cli_answers_bad_input_with_one_line_and_status_2(tmp_path, capsys):

@@ -244,10 +244,14 @@ def test_sigkill_then_sigterm_then_resume_trains_the_same_draws(reference_run, t
     assert not live_sandboxes(tmp_path)  # what the killed process left was reaped
 
 
-def test_flaky_sandboxes_are_counted_and_a_skipped_publication_trips_the_staleness_check(tmp_path):
+def test_task_groups_under_flaky_sandboxes_and_a_skipped_publication_tripping_the_staleness_check(tmp_path):
+    """Groups of rollouts of one task (`schedule.rollouts_per_task: 3`, the per-task baseline),
+    flaky sandboxes, and a publication that never happens: the groups are launched whole,
+    failures are counted and training goes on, and the stale batch is refused."""
     register_backend("flaky-local", "tests.fault_injection:FlakyLocalBackend")
     raw = run_config(tmp_path, **{"sandboxes.backend": "flaky-local"})
-    raw["schedule"] = {"batch_size": 2, "launch_size": 6}
+    raw["schedule"] = {"batch_size": 2, "launch_size": 6, "rollouts_per_task": 3}
+    raw["rl"]["advantages"] = {"baseline": "task"}
     raw["sandboxes"]["max_live"] = 6
     config = run_config_from_dict(raw)
     run_dir = RunDir(tmp_path / "run")
@@ -263,6 +267,12 @@ def test_flaky_sandboxes_are_counted_and_a_skipped_publication_trips_the_stalene
         for row in rows
     )
     assert failures > 0  # 20% of creates and calls failed, and training went on
+    for step, record in launches_by_step(run_dir.path).items():
+        assert record["draws"] == [2 * (step - 1), 2 * (step - 1) + 1]  # 6 trials: 2 draws x 3
+        fates = record["admitted"] + record["dropped"] + record["cancelled"] + record["failed"]
+        assert sorted(fates) == sorted(record["draws"] * 3)
+    for row in rows:
+        assert 0 <= row["batch/task_baseline_share"] <= 1 and 1 <= row["batch/distinct_tasks"] <= 2
     status = json.loads((run_dir.path / "status.json").read_text())
     assert status["state"] == "failed" and "StalenessError" in status["error"]
     assert not live_sandboxes(tmp_path)

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t1jax.rl.advantages import gae_advantages, normalize_advantages
+from t1jax.rl.advantages import gae_advantages, leave_one_out_baselines, normalize_advantages
 
 # One sample, 8 prediction rows: two assistant turns (rows 1-2 and 5-6) around a two-row
 # observation (rows 3-4) and a trailing masked row. Values at masked rows are deliberately wild:
@@ -102,3 +102,15 @@ def test_normalisation_uses_the_given_global_statistics():
     mask = jnp.array([[0, 1, 1, 0]])
     out = normalize_advantages(advantages, mask, mean=jnp.float32(2.0), std=jnp.float32(4.0), eps=0.0)
     np.testing.assert_allclose(np.asarray(out), [[0, -0.25, 0.25, 0]])
+
+
+def test_leave_one_out_baselines_by_hand():
+    # task a: trajectories x (1.0), y (0.0, two compaction segments), z (0.5); task b: w alone.
+    tasks = ["a", "a", "a", "b", "a"]
+    trajectories = ["x", "y", "y", "w", "z"]
+    rewards = [1.0, 0.0, 0.0, 0.3, 0.5]
+    baselines = leave_one_out_baselines(tasks, trajectories, rewards)
+    np.testing.assert_allclose(baselines[[0, 1, 2, 4]], [0.25, 0.75, 0.75, 0.5])  # y counted once
+    assert np.isnan(baselines[3])
+    with pytest.raises(ValueError, match="trajectory y: its samples disagree"):
+        leave_one_out_baselines(tasks, trajectories, [1.0, 0.0, 0.2, 0.3, 0.5])

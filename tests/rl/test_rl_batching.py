@@ -61,6 +61,21 @@ def test_packing_restarts_positions_and_numbers_segments():
     assert total_loss_tokens(mbs) == 4
     assert np.count_nonzero(mb.rewards) == 3
 
+    assert mb.task_baseline is None  # only the per-task baseline (rl.advantages.baseline: task) asks
+
+
+def test_task_baselines_cover_their_own_samples_rows_only():
+    samples = [make_sample(9, [5, 6], name="a"), make_sample(5, [3], name="b", base=50)]
+    (mb,) = build_micro_batches(
+        samples,
+        BatchingConfig(row_length_buckets=(16,), rows_per_micro_batch=2),
+        task_baselines=[0.25, np.nan],
+    )
+    np.testing.assert_array_equal(mb.task_baseline[0, :12], [0.25] * 8 + [np.nan] * 4)  # a then b, packed
+    assert np.isnan(mb.task_baseline[0, 12:]).all() and np.isnan(mb.task_baseline[1]).all()  # padding
+    with pytest.raises(ValueError, match="1 task baselines for 2 samples"):
+        build_micro_batches(samples, BatchingConfig(row_length_buckets=(16,)), task_baselines=[0.25])
+
 
 def test_unpacked_rows_are_sorted_into_tight_buckets_and_padded_with_empty_rows():
     samples = [make_sample(n, [n - 1], name=str(n)) for n in (30, 5, 6, 31, 4)]
