@@ -361,7 +361,8 @@ class Controller:
 
     # ---- rollouts ----------------------------------------------------------------------------
 
-    def _specs(self, step: int, draws) -> list:
+    def _specs(self, step: int, draws) -> list[tuple[Any, Any]]:
+        """(trial spec, its draw) for each trial: `rollouts_per_task` per draw, in draw order."""
         from t1jax.rollout.types import SamplingParams
         from t1jax.runtime.scheduler import TrialSpec
 
@@ -374,13 +375,10 @@ class Controller:
             seed=self.config.run.seed,
         )
         group = self.config.schedule.rollouts_per_task
-        if group == 1:  # the paper's one rollout per task keeps its plain trial ids
-            return [
-                TrialSpec(f"s{step:05d}-d{draw.index}", draw.task, params, attempt=draw.epoch)
-                for draw in draws
-            ]
+        # the paper's one rollout per task keeps its plain trial ids
         return [
-            TrialSpec(f"s{step:05d}-d{draw.index}-r{k}", draw.task, params, attempt=draw.epoch)
+            (TrialSpec(f"s{step:05d}-d{draw.index}{'' if group == 1 else f'-r{k}'}", draw.task, params,
+                       attempt=draw.epoch), draw)  # fmt: skip
             for draw in draws
             for k in range(group)
         ]
@@ -396,10 +394,9 @@ class Controller:
         trials each). Returns it, the extra draws and the number of trials it runs."""
         carried, self.carried = self.carried, []
         relaunch, self._relaunch = self._relaunch, []
-        specs = self._specs(step, [*relaunch, *draws])
-        group = self.config.schedule.rollouts_per_task
-        launched_draws = [draw for draw in [*relaunch, *draws] for _ in range(group)]
-        for spec, draw in zip(specs, launched_draws, strict=True):
+        trials = self._specs(step, [*relaunch, *draws])
+        specs = [spec for spec, _ in trials]
+        for spec, draw in trials:
             self._draw_of[spec.trial_id] = draw
         extra = [self._draw_of[c.trial_id] for c in carried] + relaunch
         pause_tail = self.config.partial_rollouts.enabled

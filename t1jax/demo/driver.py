@@ -182,9 +182,9 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
 # baselined (the critic's targets are the returns, which none of these changes; gamma and lambda do
 # change them), never reach it; nor do the RL run's groups of rollouts per task (a warm-up fits the
 # critic best on distinct tasks); and its length, seed and bookkeeping are its own. A campaign
-# whose every override is one of these starts from the demo's own warm-up critic; any other override (a
-# reward, a sampling temperature, the critic's optimizer, the batch, the task pool) can change the
-# critic a warm-up fits, so that campaign warms up its own, with those overrides.
+# whose every override is one of these starts from the demo's own warm-up critic; any other
+# override (a reward, a sampling temperature, the critic's optimizer, the batch, the task pool)
+# can change the critic a warm-up fits, so that campaign warms up its own, with those overrides.
 RL_ONLY_OVERRIDES = ("rl.actor_optimizer", "rl.ppo.clip_eps", "rl.ppo.actor_epochs", "rl.advantages.center",
                      "rl.advantages.normalize", "rl.advantages.drop_negative", "rl.advantages.baseline",
                      "schedule.rollouts_per_task", "run.steps", "run.seed", "run.name", "checkpoint",
