@@ -45,8 +45,9 @@ Isolation design (one sandbox):
   (mounted read-only; `verifier.find_runtime`), so nothing the agent replaced runs before the
   tests. `sandbox_service.verifier` says what it executes; `sandbox_service.reports` how its
   report is read.
-- Reclamation. `close` kills the cgroups' members, ends the holder (its mount namespace, and with it
-  every tmpfs and overlay of the sandbox, disappears), removes the cgroups and the state directory.
+- Reclamation. `close` kills the init, a running verifier's session and the cgroups' members,
+  ends the holder (its mount namespace, and with it every tmpfs and overlay of the sandbox,
+  disappears), removes the cgroups and the state directory.
   If the service dies, each holder sees EOF on its stdin and kills its sandbox by itself; `reap`
   then removes the leftover cgroups and state (state records hold pids with start times, cgroup
   paths and the run id).
@@ -387,6 +388,11 @@ class LocalSandbox:
             task.environment.workdir if task.environment.workdir_from == "task.toml" else environment.workdir
         )
         self._exec_sessions: set[int] = set()
+        # The running verifier's session: it has a pid namespace of its own, so the init's death
+        # does not end it, and it joins the cgroups only after it starts (a close in between would
+        # miss it): `_release` kills this session too, and a verifier starting after the close
+        # kills itself (`_track_verifier`).
+        self._verifier_session: int | None = None
         self.uid = self.gid = 0
         self.env: dict[str, str] = {}
         self._setpriv: str | None = None
@@ -790,8 +796,24 @@ class LocalSandbox:
 
     def _stop_agent_processes(self) -> None:
         _proc.kill_if_same(self.init_pid, self._init_start)  # the pid namespace dies with its init
+        with self._lock:
+            verifier = self._verifier_session
+        if verifier is not None:
+            _proc.kill_session(verifier)
         if self.cgroups is not None:
             self.cgroups.kill_all()
+
+    def _track_verifier(self, proc) -> None:
+        """Record the verifier's session for `_release`; kill it at once if the sandbox was closed
+        (or expired) after `verify` began: `_release` may already have run and missed it."""
+        with self._lock:
+            self._verifier_session = proc.pid
+            ended = self._state in (_State.CLOSED, _State.EXPIRED)
+        if ended:
+            _proc.kill_session(proc.pid)  # its pid namespace's init is in it: the namespace ends
+            if self.cgroups is not None:  # it may have joined them after `_release` emptied them
+                self.cgroups.kill_all()
+                self.cgroups.remove()
 
     def _expire(self) -> None:
         with self._lock:
@@ -937,10 +959,13 @@ class LocalSandbox:
                 head_bytes=64 * 1024,
                 tail_bytes=self._backend.max_output_bytes,
                 on_timeout=lambda proc: _proc.kill_session(proc.pid),
+                on_start=self._track_verifier,
                 pass_fds=(userns,),
             )
         finally:
             os.close(userns)
+            with self._lock:
+                self._verifier_session = None
         output = run.stdout + "\n" + run.stderr
         report = build_report(
             report_dir=verify_dir / "logs",

@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -178,6 +180,60 @@ def test_verifier_deadline(backend, tmp_path):
         left = [pid for pid in sandbox_processes(sandbox) if b"pytest" in _cmdline(pid)]
         assert left == []  # the verifier's processes are gone (the agent's init lives on)
     finally:
+        sandbox.close()
+
+
+def _pids_mentioning(marker: bytes) -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and marker in _cmdline(int(entry))]
+
+
+@pytest.mark.parametrize("when", ["while it runs", "before verify tracks it"])
+def test_close_ends_a_verifier_outside_the_cgroups(backend, tmp_path, monkeypatch, when):
+    """The verifier has a pid namespace of its own (the init's death does not end it) and joins the
+    cgroups only once it has started, so a close racing its start can empty the cgroups before it
+    is in them (suspected behind a Ctrl-C of check-tasks left waiting on a 600 s verifier). Here it
+    never joins them: close must still end it, whether it closes a running verification or one
+    whose process exists but is not yet recorded by `verify`."""
+    marker = f"verifier-{uuid.uuid4().hex}"
+    task_dir = copy_task(TB1_LOGS, tmp_path / "slow-verifier")
+    (task_dir / "tests" / "test_outputs.py").write_text(
+        "import subprocess, sys\n\ndef test_slow():\n"
+        f"    subprocess.run([sys.executable, '-c', 'import time; time.sleep(600)', '{marker}'])\n"
+    )
+    sandbox = backend.create(load_task(task_dir))
+    monkeypatch.setattr(type(sandbox.cgroups), "procs_files", property(lambda self: []))
+
+    def wait_for_verifier() -> None:
+        deadline = time.monotonic() + 60
+        while not _pids_mentioning(marker.encode()):
+            assert time.monotonic() < deadline, "the verifier never started"
+            time.sleep(0.05)
+
+    if when == "before verify tracks it":
+        track = sandbox._track_verifier
+
+        def close_first(proc) -> None:
+            wait_for_verifier()
+            sandbox.close()
+            track(proc)
+
+        monkeypatch.setattr(sandbox, "_track_verifier", close_first)
+    reports = []
+    verifying = threading.Thread(target=lambda: reports.append(sandbox.verify()), daemon=True)
+    try:
+        verifying.start()
+        if when == "while it runs":
+            wait_for_verifier()
+            sandbox.close()
+        verifying.join(timeout=30)
+        assert not verifying.is_alive(), "verify still waits on a verifier close did not end"
+        assert _pids_mentioning(marker.encode()) == []
+        assert reports[0].failure_cause != FailureCause.NONE and not reports[0].parsed
+        assert_sandbox_gone(sandbox)
+    finally:
+        for pid in _pids_mentioning(marker.encode()):
+            os.kill(pid, signal.SIGKILL)
+        verifying.join(timeout=30)
         sandbox.close()
 
 
