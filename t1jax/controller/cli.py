@@ -1,10 +1,13 @@
 """`t1jax train`: run (or resume) an RL run from a run config (`t1jax.controller.loop`).
 
     t1jax train --config configs/runs/tiny_cpu.yaml [--run-dir runs/NAME] [--set run.steps=3 ...]
-    t1jax train --resume runs/NAME
+    t1jax train --resume runs/NAME [--set run.steps=16]
 
 The resolved config (every default filled in) is written to RUN/config.yaml; `--resume` runs
-exactly it from the last state checkpoint. Bad config: one line naming the key, exit 2, before
+exactly it from the last state checkpoint. On resume `--set` may change only what does not change
+what the run trains (`RESUME_OVERRIDABLE`: its length, its display, its liveness deadlines), so
+`--resume RUN --set run.steps=16` extends a finished 8-step run; the change is written back to
+RUN/config.yaml (a later resume keeps it) and logged. Bad config: one line naming the key, exit 2, before
 any device work. Interrupted (SIGINT/SIGTERM): trials cancelled, sandboxes closed, a checkpoint
 written, exit 0.
 """
@@ -15,6 +18,13 @@ import argparse
 import logging
 import time
 from pathlib import Path
+
+log = logging.getLogger("t1jax.train")
+
+# Keys `--resume --set` may change: none alters what a step computes, so the steps already taken
+# and the ones to come belong to the same run (a learning rate or a reward changed mid-run would
+# make a different run under the old one's name).
+RESUME_OVERRIDABLE = ("run.steps", "logging.display", "logging.tensorboard", "liveness.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,19 +57,28 @@ def parse_overrides(pairs: list[str], *, flag: str = "--set") -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from t1jax.cli import UsageError
-    from t1jax.controller.config import load_run_config, run_config_from_dict
+    from t1jax.controller.config import apply_overrides, load_run_config, run_config_from_dict
     from t1jax.controller.rundir import RunDir
 
+    overrides = parse_overrides(args.set)
     if args.resume is not None:
-        if args.set:
-            raise UsageError("--set cannot change a run being resumed (it runs its own config.yaml)")
+        for key in overrides:
+            if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_OVERRIDABLE):
+                allowed = ", ".join(k + "*" if k.endswith(".") else k for k in RESUME_OVERRIDABLE)
+                raise UsageError(
+                    f"--set {key}: a resumed run keeps its own config.yaml; on resume only {allowed} "
+                    "may change (start a new run to change anything else)"
+                )
         run_dir = RunDir(args.resume)
-        config = run_config_from_dict(run_dir.config(), source=str(run_dir.path / "config.yaml"))
+        raw = apply_overrides(run_dir.config(), overrides)
+        config = run_config_from_dict(raw, source=str(run_dir.path / "config.yaml"))
         base_dir = run_dir.path
         config.check(base_dir=base_dir)
+        if overrides:
+            run_dir.replace_config(config.resolved())
         resume = True
     else:
-        config = load_run_config(args.config, overrides=parse_overrides(args.set))
+        config = load_run_config(args.config, overrides=overrides)
         base_dir = args.config.resolve().parent
         config = config.with_absolute_paths(base_dir)
         path = args.run_dir or Path("runs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -68,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         run_dir.create(resolved)
         resume = False
     _configure_logging(run_dir, args.log_level)
+    if resume and overrides:
+        log.info("resumed with %s", ", ".join(f"{k}={v!r}" for k, v in overrides.items()))
     return train(config, run_dir, resume=resume, base_dir=base_dir)
 
 

@@ -65,6 +65,11 @@ class RunDir:
             raise FileNotFoundError(f"{self.path} is not a run directory (no {CONFIG_FILE})")
         return load_yaml(path.read_text())
 
+    def replace_config(self, resolved_config: Mapping[str, Any]) -> None:
+        """Rewrite config.yaml (a resume that extends the run; `t1jax.controller.cli`)."""
+        self.config()  # refuses a directory that holds no run
+        _replace(self.path / CONFIG_FILE, yaml.safe_dump(dict(resolved_config), sort_keys=False))
+
     def truncate_after(self, step: int) -> None:
         """Drop every record of steps after `step` (they are about to be recomputed)."""
         for path in (self.metrics_path, self.launches_path):

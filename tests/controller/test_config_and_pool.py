@@ -154,12 +154,16 @@ def test_the_cli_answers_bad_input_with_one_line_and_status_2(tmp_path, capsys):
     assert main(["train", "--config", str(bad), "--run-dir", str(tmp_path / "r")]) == 2
     assert main(["train", "--resume", str(tmp_path / "not-a-run")]) == 2
     assert main(["plan", "--config", str(tmp_path / "missing.yaml")]) == 2  # was a traceback
+    # a resumed run may be extended, not changed (a new reward mid-run would be another run)
+    assert main(["train", "--resume", str(tmp_path / "r"), "--set", "rl.ppo.clip_eps=0.3"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 4, lines
+    assert len(lines) == 5, lines
     assert lines[0].startswith("t1jax train: error:") and "missing.yaml does not exist" in lines[0]
     assert "run.stepz: unknown key" in lines[1]
     assert "is not a run directory" in lines[2]
     assert lines[3].startswith("t1jax plan: error:")
+    assert "--set rl.ppo.clip_eps: a resumed run keeps its own config.yaml" in lines[4]
+    assert "run.steps" in lines[4]
     assert not (tmp_path / "r").exists()  # nothing was created for a config that cannot run
 
 

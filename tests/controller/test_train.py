@@ -226,19 +226,22 @@ def test_sigkill_then_sigterm_then_resume_trains_the_same_draws(reference_run, t
     assert [row["step"] for row in read_metrics(run)] == [1]
     assert not live_sandboxes(tmp_path)  # the interrupted process closed every sandbox itself
 
+    # The last resume also extends the 3-step run by one step (the config it keeps says so).
     resumed = subprocess.run(
-        [*train_command, "--resume", str(run)], cwd=REPO, env=env, capture_output=True, text=True
-    )
+        [*train_command, "--resume", str(run), "--set", "run.steps=4"],
+        cwd=REPO, env=env, capture_output=True, text=True,
+    )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert yaml.safe_load((run / "config.yaml").read_text())["run"]["steps"] == 4
     rows = read_metrics(run)
-    assert [row["step"] for row in rows] == [1, 2, 3]  # each step once: nothing lost, nothing twice
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]  # each step once: nothing lost, nothing twice
     assert rows[-1]["run/resumes"] >= 1
-    assert [row["rl/staleness"] for row in rows] == [0, 0, 1]  # a resumed process starts like a fresh one
+    assert [row["rl/staleness"] for row in rows] == [0, 0, 1, 1]  # a resumed process starts like a fresh one
     ours, theirs = launches_by_step(run), launches_by_step(reference)
     for step in (1, 2, 3):  # the same draws trained at the same step, no draw skipped or repeated
         assert ours[step]["draws"] == theirs[step]["draws"]
         assert ours[step]["task_ids"] == theirs[step]["task_ids"]
-    trained = [i for step in (1, 2, 3) for i in ours[step]["admitted"]]
+    trained = [i for step in (1, 2, 3, 4) for i in ours[step]["admitted"]]
     assert len(trained) == len(set(trained))
     assert json.loads((run / "status.json").read_text())["state"] == "finished"
     assert not live_sandboxes(tmp_path)  # what the killed process left was reaped

@@ -191,9 +191,10 @@ def _pids_mentioning(marker: bytes) -> list[int]:
 def test_close_ends_a_verifier_outside_the_cgroups(backend, tmp_path, monkeypatch, when):
     """The verifier has a pid namespace of its own (the init's death does not end it) and joins the
     cgroups only once it has started, so a close racing its start can empty the cgroups before it
-    is in them (suspected behind a Ctrl-C of check-tasks left waiting on a 600 s verifier). Here it
-    never joins them: close must still end it, whether it closes a running verification or one
-    whose process exists but is not yet recorded by `verify`."""
+    is in them (reproduced: 2 of 30 closes racing a verify left its 600 s verifier running, the
+    Ctrl-C hang of check-tasks in the full suite). Here it never joins them: close must still end
+    it, whether it closes a running verification or one whose process exists but is not yet
+    recorded by `verify`."""
     marker = f"verifier-{uuid.uuid4().hex}"
     task_dir = copy_task(TB1_LOGS, tmp_path / "slow-verifier")
     (task_dir / "tests" / "test_outputs.py").write_text(
