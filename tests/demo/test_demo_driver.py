@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIGS = REPO / "configs" / "demo"
 # The demo's own configs, shrunk: 2 turns of up to 16 tokens, one RL step of 2 trials.
 TRAIN_OVERRIDES = {
-    "run.steps": 1, "schedule.batch_size": 2, "schedule.launch_size": 2, "harness.max_turns": 2,
+    "run.steps": 1, "schedule.batch_size": 2, "schedule.launch_size": 2, "schedule.rollouts_per_task": 2,
+    "harness.max_turns": 2,
     "harness.max_tokens_per_turn": 16, "harness.min_turn_tokens": 16,
 }  # fmt: skip
 
