@@ -7,8 +7,8 @@ The resolved config (every default filled in) is written to RUN/config.yaml; `--
 exactly it from the last state checkpoint. On resume `--set` may change only what does not change
 what the run trains (`RESUME_OVERRIDABLE`: its length, its display, its liveness deadlines), so
 `--resume RUN --set run.steps=16` extends a finished 8-step run; the change is written back to
-RUN/config.yaml (a later resume keeps it) and logged. Bad config: one line naming the key, exit 2, before
-any device work. Interrupted (SIGINT/SIGTERM): trials cancelled, sandboxes closed, a checkpoint
+RUN/config.yaml (a later resume keeps it) and logged. Bad config: one line naming the key, exit 2,
+before any device work. Interrupted (SIGINT/SIGTERM): trials cancelled, sandboxes closed, a checkpoint
 written, exit 0.
 """
 
@@ -24,7 +24,7 @@ log = logging.getLogger("t1jax.train")
 # Keys `--resume --set` may change: none alters what a step computes, so the steps already taken
 # and the ones to come belong to the same run (a learning rate or a reward changed mid-run would
 # make a different run under the old one's name).
-RESUME_OVERRIDABLE = ("run.steps", "logging.display", "logging.tensorboard", "liveness.")
+RESUME_OVERRIDABLE = ("run.steps", "logging.display", "logging.tensorboard", "liveness")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,17 +57,21 @@ def parse_overrides(pairs: list[str], *, flag: str = "--set") -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from t1jax.cli import UsageError
-    from t1jax.controller.config import apply_overrides, load_run_config, run_config_from_dict
+    from t1jax.controller.config import (
+        apply_overrides,
+        load_run_config,
+        override_within,
+        run_config_from_dict,
+    )
     from t1jax.controller.rundir import RunDir
 
     overrides = parse_overrides(args.set)
     if args.resume is not None:
         for key in overrides:
-            if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_OVERRIDABLE):
-                allowed = ", ".join(k + "*" if k.endswith(".") else k for k in RESUME_OVERRIDABLE)
+            if not override_within(key, RESUME_OVERRIDABLE):
                 raise UsageError(
-                    f"--set {key}: a resumed run keeps its own config.yaml; on resume only {allowed} "
-                    "may change (start a new run to change anything else)"
+                    f"--set {key}: a resumed run keeps its own config.yaml; on resume only "
+                    f"{', '.join(RESUME_OVERRIDABLE)} may change (start a new run to change anything else)"
                 )
         run_dir = RunDir(args.resume)
         raw = apply_overrides(run_dir.config(), overrides)

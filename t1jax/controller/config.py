@@ -43,7 +43,7 @@ import copy
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -626,6 +626,12 @@ def load_run_config(
     config = run_config_from_dict(raw, source=str(path))
     config.check(base_dir=path.parent if check_paths else None)
     return config
+
+
+def override_within(key: str, prefixes: Iterable[str]) -> bool:
+    """Whether a dotted override key is one of `prefixes` or lies under one (`liveness` covers
+    `liveness.probe_grace_sec`; `run.steps` does not cover `run.stepsize`)."""
+    return any(key == prefix or key.startswith(prefix + ".") for prefix in prefixes)
 
 
 def apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -57,7 +57,7 @@ from typing import Any
 
 import yaml
 
-from t1jax.controller.config import ConfigError, resolve_path, section_from_dict
+from t1jax.controller.config import ConfigError, override_within, resolve_path, section_from_dict
 from t1jax.host_devices import host_device_flags
 from t1jax.yamlio import load_yaml
 
@@ -202,7 +202,7 @@ def demo_verdict_holds(verdicts: Mapping[str, Mapping[str, Any]]) -> bool:
 
 def rl_only(key: str) -> bool:
     """Whether a dotted override key is one only the RL run feels (`RL_ONLY_OVERRIDES`)."""
-    return any(key == prefix or key.startswith(prefix + ".") for prefix in RL_ONLY_OVERRIDES)
+    return override_within(key, RL_ONLY_OVERRIDES)
 
 
 def warmup_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:

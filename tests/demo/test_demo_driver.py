@@ -28,10 +28,11 @@ from t1jax.demo.driver import load_demo_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIGS = REPO / "configs" / "demo"
-# The demo's own configs, shrunk: 2 turns of up to 16 tokens, one RL step of 2 trials.
+# The demo's own configs, shrunk: 2 turns of up to 16 tokens, one RL step of 2 trials (one task
+# run twice: rl.yaml's per-task baseline has a partner).
 TRAIN_OVERRIDES = {
-    "run.steps": 1, "schedule.batch_size": 2, "schedule.launch_size": 2, "schedule.rollouts_per_task": 2,
-    "harness.max_turns": 2,
+    "run.steps": 1, "schedule.batch_size": 2, "schedule.launch_size": 2,
+    "schedule.rollouts_per_task": 2, "harness.max_turns": 2,
     "harness.max_tokens_per_turn": 16, "harness.min_turn_tokens": 16,
 }  # fmt: skip
 
