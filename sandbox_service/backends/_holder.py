@@ -1,12 +1,12 @@
 """Mount-namespace keeper and reaper: the root-side parent of a sandbox's (or a build's) processes.
 
-Run as `unshare --mount --propagation private -- python -I _holder.py CONFIG_JSON` by the local
+Run as `unshare --mount --propagation private -- python -I -S _holder.py CONFIG_JSON` by the local
 backend and the environment builder. It performs the listed filesystem operations in its private
 mount namespace, optionally spawns one child (the sandbox's init `bwrap`) into given cgroups under an
 unprivileged uid, prints one JSON line (`{"ok": true, "pid": ..., "child": {...}}` or
 `{"ok": false, "error": ...}`) and then waits until its stdin reaches EOF.
 
-`python -I _holder.py --reap-exec PROCS... -- ARGV...` is the short-lived variant used for the
+`python -I -S _holder.py --reap-exec PROCS... -- ARGV...` is the short-lived variant used for the
 verifier: it runs ARGV (joined to the cgroups whose `cgroup.procs` files are PROCS) with inherited
 stdio and file descriptors and exits with its status.
 

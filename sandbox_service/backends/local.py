@@ -67,7 +67,6 @@ import json
 import os
 import shutil
 import stat
-import sys
 import threading
 import time
 import uuid
@@ -77,7 +76,7 @@ from pathlib import Path
 
 from sandbox_service.backends import _proc
 from sandbox_service.backends._cgroup import CgroupHierarchy, CgroupUnavailable, SandboxCgroups
-from sandbox_service.backends._proc import DEFAULT_PATH, HOLDER_SCRIPT, HolderProcess, require_tool
+from sandbox_service.backends._proc import DEFAULT_PATH, HOLDER_COMMAND, HolderProcess, require_tool
 from sandbox_service.base_images import DEFAULT_STAND_IN_DIR, StandInStore, stand_in_for
 from sandbox_service.contracts import (
     EnvironmentAudit,
@@ -931,9 +930,7 @@ class LocalSandbox:
                 f"--mount=/proc/{self._holder.pid}/ns/mnt",
                 *([f"--net=/proc/{self.init_pid}/ns/net"] if join else []),
                 "--",
-                sys.executable,
-                "-I",
-                str(HOLDER_SCRIPT),
+                *HOLDER_COMMAND,
                 "--reap-exec",
                 *self.cgroups.procs_files,
                 "--",

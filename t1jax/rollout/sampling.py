@@ -155,12 +155,21 @@ def sample(
     """
     logits = logits.astype(jnp.float32)
     raw = jax.nn.log_softmax(logits, axis=-1)
-    processed = processed_log_distribution(logits, temperature, top_k, top_p)
-    keys = jax.vmap(token_key)(seed_low, seed_high, index)
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
-    drawn = jnp.argmax(processed + noise, axis=-1).astype(jnp.int32)
-    greedy = jnp.asarray(temperature) <= 0
-    token = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
-    pick = lambda logp: jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-    processed_logprob = jnp.where(greedy, 0.0, pick(processed))
-    return token, processed_logprob, pick(raw)
+    greedy = jnp.broadcast_to(jnp.asarray(temperature) <= 0, logits.shape[:1])
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    pick = lambda logp, token: jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+    def drawn(logits):
+        processed = processed_log_distribution(logits, temperature, top_k, top_p)
+        keys = jax.vmap(token_key)(seed_low, seed_high, index)
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
+        token = jnp.where(greedy, best, jnp.argmax(processed + noise, axis=-1).astype(jnp.int32))
+        return token, jnp.where(greedy, 0.0, pick(processed, token))
+
+    # An all-greedy batch (a greedy evaluation) skips the noise and the processed distribution,
+    # ~10% of a decode step on CPU. Either branch gives every row the same result, so a row's
+    # token still does not depend on the other rows (as in `processed_log_distribution`).
+    token, processed_logprob = jax.lax.cond(
+        jnp.all(greedy), lambda logits: (best, jnp.zeros(logits.shape[:1], jnp.float32)), drawn, logits
+    )
+    return token, processed_logprob, pick(raw, token)
