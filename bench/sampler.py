@@ -15,6 +15,9 @@ random weights; transformers runs the same weights (written with our `save_pretr
 4. Prefix cache: an agent's second turn (a 2k-token first turn + its completion + an
    observation) served with the prefix cache vs re-prefilled from scratch (cache cleared), time
    to the first token; the two results are also checked bit-identical.
+5. Decode-attention chunk: the decode rate of the same agent-length requests (batch 16,
+   400-token prompts, max_context 1024, the demo's sampler) with 64-slot and 256-slot chunks, and
+   which one `EngineConfig`'s platform default (`default_kv_chunk`) picks here.
 
 Prints the processor and the load average (the machine may be shared: then every ratio is noisy),
 each engine's warmup (compile) time and its compile counts per program and bucket.
@@ -44,7 +47,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from t1jax.model import Qwen35MoeForCausalLM, load_config, save_pretrained  # noqa: E402
-from t1jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
+from t1jax.rollout.engine import EngineConfig, JaxEngine, default_kv_chunk  # noqa: E402
 from t1jax.rollout.types import GenerateRequest, SamplingParams  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
@@ -52,9 +55,7 @@ CONTEXT = 8192
 BATCH, PROMPT_LEN, NEW_TOKENS, REPEATS = 8, 32, 128, 3
 AGENT_REQUESTS, AGENT_PROMPT, AGENT_NEW = 16, 2048, 256
 PREFIX_LEN, OBSERVATION_LEN = 2048, 64
-# Decode-attention chunk: 64 slots measured fastest on this CPU (a chunk's K/V stay in cache);
-# the engine's default (256) suits an accelerator's longer vectors and costlier loop steps.
-CPU_KV_CHUNK = 64
+CHUNK_BATCH, CHUNK_PROMPT, CHUNK_CONTEXT, CHUNKS = 16, 400, 1024, (64, 256)
 _ids = iter(range(10**9))
 
 
@@ -164,7 +165,7 @@ def agent_case(model, hf, device):
     """(engine seconds, transformers seconds) end to end, and both sides' prefill seconds."""
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 2048, AGENT_PROMPT).astype(np.int32) for _ in range(AGENT_REQUESTS)]
-    config = EngineConfig(max_batch=AGENT_REQUESTS, max_context=CONTEXT, kv_chunk=CPU_KV_CHUNK)
+    config = EngineConfig(max_batch=AGENT_REQUESTS, max_context=CONTEXT)
     with started_engine(model, device, config, "agent engine") as engine:
         served(engine, prompts, 2)  # every path warm (first runs allocate)
         engine_total = best_of(lambda: served(engine, prompts, AGENT_NEW), 2)
@@ -194,7 +195,7 @@ def decode_rate(engine, prompts) -> float:
 
 
 def jax_decode_rate(model, prompts, devices, max_context, label) -> float:
-    config = EngineConfig(max_batch=BATCH, max_context=max_context, block_size=32, kv_chunk=CPU_KV_CHUNK)
+    config = EngineConfig(max_batch=BATCH, max_context=max_context, block_size=32)
     with started_engine(model, devices, config, label) as engine:
         rate = decode_rate(engine, prompts)
     print(f"  jax engine ({label}): {rate:8.1f} decode tokens/s")
@@ -254,6 +255,19 @@ def prefix_cache_ratio(model, device) -> float:
     return miss / hit
 
 
+def chunk_rates(model, device) -> dict[int, float]:
+    """Decode tokens/s by decode-attention chunk on agent-length rows (case 5)."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 2048, CHUNK_PROMPT).astype(np.int32) for _ in range(CHUNK_BATCH)]
+    rates = {}
+    for chunk in CHUNKS:
+        config = EngineConfig(max_batch=CHUNK_BATCH, max_context=CHUNK_CONTEXT, kv_chunk=chunk)
+        with started_engine(model, device, config, f"kv_chunk {chunk}") as engine:
+            rates[chunk] = decode_rate(engine, prompts)
+        print(f"  jax engine (kv_chunk {chunk}): {rates[chunk]:8.1f} decode tokens/s")
+    return rates
+
+
 def main() -> None:
     print(f"jax {jax.__version__}, {len(jax.devices())} CPU devices; {machine()}; {load()} at start")
     model = tiny_policy()
@@ -274,6 +288,11 @@ def main() -> None:
     long = jax_decode_rate(model, prompts, device, CONTEXT, f"max_context {CONTEXT}")
     print("prefix cache:")
     cache_ratio = prefix_cache_ratio(model, device)
+    print(
+        f"decode-attention chunk, batch {CHUNK_BATCH}, {CHUNK_PROMPT}-token prompts, "
+        f"max_context {CHUNK_CONTEXT}:"
+    )
+    chunks = chunk_rates(model, device)
 
     print(f"machine: {machine()}; {load()} at the end (a shared machine makes every ratio noisy)")
     print(
@@ -296,6 +315,11 @@ def main() -> None:
         f"RATIO decode tokens/s, jax engine (max_context 512) / best transformers: {short / torch_rate:.2f}x"
     )
     print(f"RATIO second-turn prefill, re-prefill time / prefix-cache hit time: {cache_ratio:.2f}x")
+    small, large = CHUNKS
+    print(
+        f"RATIO decode tokens/s, kv_chunk {small} / kv_chunk {large}: {chunks[small] / chunks[large]:.2f}x "
+        f"(the platform default here: {default_kv_chunk(device[0].platform)})"
+    )
 
 
 if __name__ == "__main__":
