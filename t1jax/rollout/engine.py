@@ -134,9 +134,10 @@ class EngineConfig:
 
 
 # Decode-attention chunk by platform. On CPU a 64-slot chunk's keys and values stay in cache: on
-# the demo's model (AMD EPYC, 2 cores, batch 16, ~400-token rows) a decode step took ~13% less
-# time than with 256, and bench/sampler.py measured 64 the fastest on CPU; an accelerator's
-# longer vectors and costlier loop steps want the larger chunk.
+# the demo's model (AMD EPYC, 2 cores, batch 16, ~400-token rows) a decode step took 10-12% less
+# time than with 256 at temperature 0.6 and ~24% less greedy (bench/sampler.py case 5 measures it
+# on the machine at hand); an accelerator's longer vectors and costlier loop steps want the
+# larger chunk.
 _KV_CHUNK_BY_PLATFORM = {"cpu": 64}
 _KV_CHUNK_ACCELERATOR = 256
 

@@ -22,7 +22,7 @@ from rollout_helpers import (
 )
 
 from t1jax.parallel.rules import make_mesh, state_shardings
-from t1jax.rollout.engine import EngineClosed, EngineConfig, JaxEngine, routing_dtype
+from t1jax.rollout.engine import EngineClosed, EngineConfig, JaxEngine, default_kv_chunk, routing_dtype
 from t1jax.rollout.types import FinishReason, GenerateRequest, SamplerTimeout
 
 BLOCK = TEST_ENGINE_CONFIG.block_size
@@ -349,6 +349,7 @@ def test_a_closed_engine_refuses_work(policy):
     "fields,message",
     [
         ({"max_batch": 0}, "max_batch must be positive"),
+        ({"kv_chunk": 0}, "kv_chunk must be positive"),
         ({"prefix_cache_bytes": -1}, "prefix_cache_bytes"),
         ({"mesh_shape": {"pipeline": 2}}, r"unknown axes \['pipeline'\]"),
         ({"mesh_shape": {"context": 2}}, "does not split sequences"),
@@ -357,6 +358,16 @@ def test_a_closed_engine_refuses_work(policy):
 def test_bad_engine_configs_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**fields)
+
+
+def test_the_decode_chunk_defaults_by_platform_and_an_explicit_one_is_kept(policy):
+    assert default_kv_chunk("cpu") == 64
+    assert default_kv_chunk("tpu") == default_kv_chunk("gpu") == 256
+    devices = jax.devices()[4:5]
+    with JaxEngine(policy, devices, EngineConfig(max_batch=2, max_context=128)) as chosen:
+        assert chosen.config.kv_chunk == default_kv_chunk(devices[0].platform)
+    with JaxEngine(policy, devices, EngineConfig(max_batch=2, max_context=128, kv_chunk=32)) as given:
+        assert given.config.kv_chunk == 32
 
 
 def test_a_hung_engine_is_a_named_timeout_not_a_hung_caller(engine, prompt_rng):

@@ -111,6 +111,36 @@ def test_greedy_takes_the_argmax_with_processed_logprob_zero():
     np.testing.assert_allclose(np.asarray(raw), logits[1] - np.log(np.exp(logits).sum()), rtol=1e-6)
 
 
+def test_a_greedy_row_gets_the_same_result_beside_sampled_rows_as_in_an_all_greedy_batch():
+    # An all-greedy batch takes a shorter path (no noise, no processed distribution); the rows
+    # must not be able to tell which path their batch took.
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(4, 64)).astype(np.float32)
+    halves = np.asarray([split_seed(s) for s in (3, 4, 5, 6)], np.uint32)
+    temperature = np.array([0.0, 0.7, 0.0, 1.0], np.float32)
+
+    def draw(rows, temperatures):
+        n = len(rows)
+        out = _sample(
+            jnp.asarray(logits[rows]),
+            jnp.asarray(temperatures),
+            jnp.full(n, 5, jnp.int32),
+            jnp.full(n, 0.9),
+            jnp.asarray(halves[rows, 0]),
+            jnp.asarray(halves[rows, 1]),
+            jnp.full(n, 2, jnp.int32),
+        )
+        return [np.asarray(x) for x in out]
+
+    mixed = draw([0, 1, 2, 3], temperature)
+    greedy = draw([0, 2], temperature[[0, 2]])
+    for position, row in enumerate([0, 2]):
+        for a, b in zip(greedy, mixed, strict=True):
+            assert a[position] == b[row]
+    assert greedy[0].tolist() == np.argmax(logits[[0, 2]], axis=-1).tolist()
+    assert greedy[1].tolist() == [0.0, 0.0]
+
+
 def test_a_row_draw_depends_only_on_its_seed_index_and_logits():
     rng = np.random.default_rng(3)
     logits = rng.normal(size=(4, 64)).astype(np.float32)
