@@ -16,8 +16,9 @@ random weights; transformers runs the same weights (written with our `save_pretr
    observation) served with the prefix cache vs re-prefilled from scratch (cache cleared), time
    to the first token; the two results are also checked bit-identical.
 5. Decode-attention chunk: the decode rate of the same agent-length requests (batch 16,
-   400-token prompts, max_context 1024, the demo's sampler) with 64-slot and 256-slot chunks, and
-   which one `EngineConfig`'s platform default (`default_kv_chunk`) picks here.
+   400-token prompts, max_context 1024: the demo's sampler, on the demo's model,
+   configs/demo/model.yaml, random weights) with 64-slot and 256-slot chunks, and which one
+   `EngineConfig`'s platform default (`default_kv_chunk`) picks here.
 
 Prints the processor and the load average (the machine may be shared: then every ratio is noisy),
 each engine's warmup (compile) time and its compile counts per program and bucket.
@@ -51,6 +52,7 @@ from t1jax.rollout.engine import EngineConfig, JaxEngine, default_kv_chunk  # no
 from t1jax.rollout.types import GenerateRequest, SamplingParams  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "configs" / "demo" / "model.yaml"  # head_dim 64
 CONTEXT = 8192
 BATCH, PROMPT_LEN, NEW_TOKENS, REPEATS = 8, 32, 128, 3
 AGENT_REQUESTS, AGENT_PROMPT, AGENT_NEW = 16, 2048, 256
@@ -59,8 +61,8 @@ CHUNK_BATCH, CHUNK_PROMPT, CHUNK_CONTEXT, CHUNKS = 16, 400, 1024, (64, 256)
 _ids = iter(range(10**9))
 
 
-def tiny_policy(seed: int = 0) -> Qwen35MoeForCausalLM:
-    config = dataclasses.replace(load_config(TINY), max_position_embeddings=CONTEXT)
+def tiny_policy(seed: int = 0, preset: Path = TINY) -> Qwen35MoeForCausalLM:
+    config = dataclasses.replace(load_config(preset), max_position_embeddings=CONTEXT)
     model = Qwen35MoeForCausalLM(config, rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     for _, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -194,8 +196,7 @@ def decode_rate(engine, prompts) -> float:
     )
 
 
-def jax_decode_rate(model, prompts, devices, max_context, label) -> float:
-    config = EngineConfig(max_batch=BATCH, max_context=max_context, block_size=32)
+def jax_decode_rate(model, prompts, devices, config, label) -> float:
     with started_engine(model, devices, config, label) as engine:
         rate = decode_rate(engine, prompts)
     print(f"  jax engine ({label}): {rate:8.1f} decode tokens/s")
@@ -259,13 +260,16 @@ def chunk_rates(model, device) -> dict[int, float]:
     """Decode tokens/s by decode-attention chunk on agent-length rows (case 5)."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 2048, CHUNK_PROMPT).astype(np.int32) for _ in range(CHUNK_BATCH)]
-    rates = {}
-    for chunk in CHUNKS:
-        config = EngineConfig(max_batch=CHUNK_BATCH, max_context=CHUNK_CONTEXT, kv_chunk=chunk)
-        with started_engine(model, device, config, f"kv_chunk {chunk}") as engine:
-            rates[chunk] = decode_rate(engine, prompts)
-        print(f"  jax engine (kv_chunk {chunk}): {rates[chunk]:8.1f} decode tokens/s")
-    return rates
+    return {
+        chunk: jax_decode_rate(
+            model,
+            prompts,
+            device,
+            EngineConfig(max_batch=CHUNK_BATCH, max_context=CHUNK_CONTEXT, kv_chunk=chunk),
+            f"kv_chunk {chunk}",
+        )
+        for chunk in CHUNKS
+    }
 
 
 def main() -> None:
@@ -284,15 +288,18 @@ def main() -> None:
     prompts = [rng.integers(0, 2048, PROMPT_LEN).astype(np.int32) for _ in range(BATCH)]
     print(f"decode, batch {BATCH}, {PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, best of {REPEATS}:")
     torch_rate = torch_decode_rate(hf, prompts)
-    short = jax_decode_rate(model, prompts, device, 512, "max_context 512")
-    long = jax_decode_rate(model, prompts, device, CONTEXT, f"max_context {CONTEXT}")
+    short_config, long_config = (
+        EngineConfig(max_batch=BATCH, max_context=context, block_size=32) for context in (512, CONTEXT)
+    )
+    short = jax_decode_rate(model, prompts, device, short_config, "max_context 512")
+    long = jax_decode_rate(model, prompts, device, long_config, f"max_context {CONTEXT}")
     print("prefix cache:")
     cache_ratio = prefix_cache_ratio(model, device)
     print(
         f"decode-attention chunk, batch {CHUNK_BATCH}, {CHUNK_PROMPT}-token prompts, "
         f"max_context {CHUNK_CONTEXT}:"
     )
-    chunks = chunk_rates(model, device)
+    chunks = chunk_rates(tiny_policy(preset=DEMO_MODEL), device)
 
     print(f"machine: {machine()}; {load()} at the end (a shared machine makes every ratio noisy)")
     print(

@@ -64,6 +64,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from t1jax.model.attention import DECODE_KV_CHUNK
 from t1jax.model.cache import AttentionLayerCache, DecodeCache, LinearLayerCache, init_cache
 from t1jax.model.transformer import Qwen35MoeForCausalLM
 from t1jax.parallel.rules import (
@@ -134,17 +135,18 @@ class EngineConfig:
 
 
 # Decode-attention chunk by platform. On CPU a 64-slot chunk's keys and values stay in cache: on
-# the demo's model (AMD EPYC, 2 cores, batch 16, ~400-token rows) a decode step took 10-12% less
-# time than with 256 at temperature 0.6 and ~24% less greedy (bench/sampler.py case 5 measures it
-# on the machine at hand); an accelerator's longer vectors and costlier loop steps want the
+# the demo's model (AMD EPYC, 2 cores, batch 16, ~400-token rows) one interleaved A/B measured a
+# decode step 10-12% faster than with 256 at temperature 0.6 and ~24% greedy, while
+# bench/sampler.py case 5 (decode rate, same shapes) put it at 0.95-1.08x, within its noise: 64
+# is never the slower one here. An accelerator's longer vectors and costlier loop steps want the
 # larger chunk.
 _KV_CHUNK_BY_PLATFORM = {"cpu": 64}
-_KV_CHUNK_ACCELERATOR = 256
 
 
 def default_kv_chunk(platform: str) -> int:
-    """The decode attention's chunk (cache slots per loop step) on `platform` (jax's name)."""
-    return _KV_CHUNK_BY_PLATFORM.get(platform, _KV_CHUNK_ACCELERATOR)
+    """The decode attention's chunk (cache slots per loop step) on `platform` (jax's name);
+    elsewhere the model's own default, `DECODE_KV_CHUNK`."""
+    return _KV_CHUNK_BY_PLATFORM.get(platform, DECODE_KV_CHUNK)
 
 
 def routing_dtype(num_experts: int) -> np.dtype:
@@ -236,7 +238,6 @@ class JaxEngine:
                 f"EngineConfig.max_context {config.max_context} exceeds the model's "
                 f"max_position_embeddings {model_config.max_position_embeddings}"
             )
-        self.config = config
         self.model_config = model_config
         self.rules = rules
         self.routing_dtype = routing_dtype(model_config.num_experts)
@@ -246,7 +247,7 @@ class JaxEngine:
         self.devices = devices[: self.mesh.devices.size]
         if config.kv_chunk is None:
             config = dataclasses.replace(config, kv_chunk=default_kv_chunk(self.devices[0].platform))
-            self.config = config
+        self.config = config  # with the chunk resolved: what the programs use
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
 
         graphdef, state = nnx.split(model)
