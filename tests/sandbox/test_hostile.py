@@ -426,13 +426,16 @@ def test_daemon_running_through_verification_cannot_touch_tests_or_reports(any_b
     writer = (
         "setsid sh -c 'while true; do "
         "cat /tests/test_outputs.py /run/t1jax-verifier/toolchain/run_pytest.py >> /tmp/saw 2>/dev/null; "
-        f'mkdir -p /tests 2>/dev/null; printf "{conftest}" > /tests/conftest.py 2>/dev/null; '
+        # written aside then renamed: the check below must never catch the file truncated mid-write
+        f'mkdir -p /tests 2>/dev/null; printf "{conftest}" > /tests/.c 2>/dev/null; '
+        "mv -f /tests/.c /tests/conftest.py 2>/dev/null; "
         f"{_FAKE_REPORTS.replace(chr(39), chr(34))} 2>/dev/null; sleep 0.01; done' > /dev/null 2>&1 &"
     )
     try:
         sandbox.exec(writer, 30)
         assert sandbox.exec(count_processes("sh?-c?while?true*"), 30).stdout == "1\n"  # alive at verify time
-        assert "pytest_runtest_makereport" in sandbox.exec("cat /tests/conftest.py", 30).stdout  # planted
+        planted = "for i in $(seq 50); do [ -s /tests/conftest.py ] && break; sleep 0.1; done; cat /tests/conftest.py"
+        assert "pytest_runtest_makereport" in sandbox.exec(planted, 30).stdout  # the loop has run
         report = sandbox.verify()
         seen = _host_file(sandbox, "/tmp/saw")
         still_running = sandbox.exec_raw(count_processes("sh?-c?while?true*"), 30, as_root=True) if hasattr(
