@@ -434,7 +434,8 @@ def test_daemon_running_through_verification_cannot_touch_tests_or_reports(any_b
     try:
         sandbox.exec(writer, 30)
         assert sandbox.exec(count_processes("sh?-c?while?true*"), 30).stdout == "1\n"  # alive at verify time
-        planted = "for i in $(seq 50); do [ -s /tests/conftest.py ] && break; sleep 0.1; done; cat /tests/conftest.py"
+        planted = "for i in $(seq 50); do [ -s /tests/conftest.py ] && break; sleep 0.1; done; "
+        planted += "cat /tests/conftest.py"
         assert "pytest_runtest_makereport" in sandbox.exec(planted, 30).stdout  # the loop has run
         report = sandbox.verify()
         seen = _host_file(sandbox, "/tmp/saw")
