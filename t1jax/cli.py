@@ -9,6 +9,8 @@ every bad-input check paid when the parser imported them all.
 - ``t1jax plan``: rank sharding plans by per-device memory (``t1jax.tools.planner``).
 - ``t1jax eval``: evaluate a checkpoint (or the oracle / no-op agent) on a task directory
   (``t1jax.eval.cli``).
+- ``t1jax compare``: is one evaluated checkpoint better than another on the same tasks, beyond the
+  noise (paired, family-clustered bootstrap; ``t1jax.eval.compare``).
 - ``t1jax train``: run or resume an RL run (``t1jax.controller.cli``).
 - ``t1jax tasks generate``: write the synthetic task suite (``t1jax.data.tasks_cli``).
 - ``t1jax sft``: demonstrations -> SFT warm start -> checkpoint (``t1jax.sft.cli``).
@@ -41,6 +43,10 @@ from t1jax import compilation_cache
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("t1jax.tools.planner", "rank sharding plans by the per-device memory model (paper Eq. 21)"),
     "eval": ("t1jax.eval.cli", "evaluate a checkpoint, the oracle or the no-op agent on a task directory"),
+    "compare": (
+        "t1jax.eval.compare",
+        "paired difference of eval jobs on their shared tasks: `compare JOB... --against BASE`",
+    ),
     "train": ("t1jax.controller.cli", "run or resume an RL run from a run config (the single controller)"),
     "demo": ("t1jax.demo.cli", "base -> SFT -> critic warm-up -> RL -> held-out evaluation in one directory"),
     "tasks": ("t1jax.data.tasks_cli", "synthetic task suite: `tasks generate --out DIR --n N --seed S`"),

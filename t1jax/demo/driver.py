@@ -761,19 +761,19 @@ class Demo:
     # ---- the result --------------------------------------------------------------------------
 
     def summarize(self, stages: list[Stage], wall_sec: float) -> dict[str, Any]:
-        from t1jax.eval.job import per_task, task_families
-        from t1jax.eval.passk import paired_difference, resampled_units
+        from t1jax.eval.compare import JobOutcomes, compare_jobs
+        from t1jax.eval.passk import resampled_units
 
-        resolved: dict[Path, dict[str, list[float]]] = {}  # job -> per-task outcomes, read once
+        read: dict[Path, JobOutcomes] = {}  # job -> per-task outcomes, read once
         # task -> template family, as the held-out tasks name theirs (`Task.family`, recorded in
         # each trial's result): every evaluation ran the same split, so their union is the split's
         families: dict[str, str] = {}
 
-        def outcomes(job: Path) -> dict[str, list[float]]:
-            if job not in resolved:
-                resolved[job] = per_task(job)
-                families.update(task_families(job))
-            return resolved[job]
+        def outcomes(job: Path) -> JobOutcomes:
+            if job not in read:
+                read[job] = JobOutcomes(job)
+                families.update(read[job].families)
+            return read[job]
 
         table = {}
         for name in self.checkpoints:
@@ -797,18 +797,13 @@ class Demo:
                 jobs = [self.eval_dir / f"{name}-{mode}" for name in (better, worse)]
                 if not all((job / "result.json").is_file() for job in jobs):
                     continue
-                diff = paired_difference(outcomes(jobs[0]), outcomes(jobs[1]), clusters=families)
-                if diff is not None:
-                    verdicts[f"{better}>{worse} ({mode})"] = {
-                        "difference": diff[0], "ci95": [diff[1], diff[2]], "beyond_noise": diff[1] > 0,
-                    }  # fmt: skip
-                diff = paired_difference(
-                    _test_fractions(jobs[0]), _test_fractions(jobs[1]), clusters=families
-                )
-                if diff is not None:
-                    tests_verdicts[f"{better}>{worse} ({mode})"] = {
-                        "difference": diff[0], "ci95": [diff[1], diff[2]], "beyond_noise": diff[1] > 0,
-                    }  # fmt: skip
+                a, b = outcomes(jobs[0]), outcomes(jobs[1])
+                differences = compare_jobs(a, b, families=families)
+                key = f"{better}>{worse} ({mode})"
+                if "resolved" in differences:
+                    verdicts[key] = differences["resolved"].to_json()
+                if "tests_passed" in differences:
+                    tests_verdicts[key] = differences["tests_passed"].to_json()
         plots = []
         for name in self.campaigns:
             if (self.out / name / "metrics.jsonl").exists():
@@ -822,7 +817,9 @@ class Demo:
             # verdict, and `make demo`'s exit status, are on the resolved rate, as the paper's)
             "tests_passed_verdicts": tests_verdicts,
             # what the verdicts' bootstrap resampled
-            "resampled": resampled_units(sorted({t for job in resolved.values() for t in job}), families),
+            "resampled": resampled_units(
+                sorted({t for job in read.values() for t in job.resolved}), families
+            ),
             "sft_reward_variance": self._reward_variance(),
             "stage_seconds": seconds,
             # with stages overlapping (pipeline.parallel), where the machine's time went
@@ -904,15 +901,6 @@ class Demo:
             plt.close(figure)
             written.append(path)
         return written
-
-
-def _test_fractions(job: Path) -> dict[str, list[float]]:
-    """Each task's trials' shares of tests passed (0 where the verifier reported none)."""
-    from t1jax.eval.job import per_task
-
-    passed, total = per_task(job, "tests_passed"), per_task(job, "tests_total")
-    return {task: [p / t if t else 0.0 for p, t in zip(passed[task], total[task], strict=True)]
-            for task in passed}  # fmt: skip
 
 
 def _noise_mark(verdict: Mapping[str, Any], *, not_beyond: str) -> str:

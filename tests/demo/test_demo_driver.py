@@ -246,18 +246,6 @@ def test_sigterm_stops_the_running_stages_as_ctrl_c_does(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == before  # put back
 
 
-def test_share_of_tests_passed_is_per_task_mean_of_each_trials_share(tmp_path):
-    from t1jax.demo.driver import _test_fractions
-
-    trials = [("a", 1, 4), ("a", 3, 4), ("b", 0, 0), ("c", 2, 2)]  # b: the verifier reported none
-    for index, (task, passed, total) in enumerate(trials):
-        trial = tmp_path / f"t{index}"
-        trial.mkdir()
-        (trial / "result.json").write_text(json.dumps(
-            {"task_id": task, "skipped": False, "tests_passed": passed, "tests_total": total}))  # fmt: skip
-    assert _test_fractions(tmp_path) == {"a": [0.25, 0.75], "b": [0.0], "c": [1.0]}
-
-
 def test_the_ablation_differs_only_in_reward_warm_up_included(tmp_path):
     from t1jax.demo.driver import Demo
 

@@ -1,0 +1,201 @@
+"""Paired comparison of evaluation jobs: is one checkpoint better than another on the same tasks,
+beyond the evaluation's noise? (`t1jax compare`, and the demo's verdicts.)
+
+    t1jax compare runs/demo/eval/rl-greedy --against runs/demo/eval/sft-greedy
+    t1jax compare JOB_A JOB_B ... --against BASE_JOB --json
+
+A job is a `t1jax eval` job directory (its trials' result.json files). For each job against the
+base, on the tasks both evaluated: the per-task difference of the resolved rate and of the share
+of tests passed, averaged over the tasks, with a 95% percentile-bootstrap interval that resamples
+the tasks' template families (the families the tasks name in their results; a family's tasks
+succeed or fail together, so they are one unit of evidence) or, for tasks that name none, the
+tasks themselves (`t1jax.eval.passk.paired_difference`).
+
+Invariants:
+- Only tasks both jobs evaluated enter a difference (paired); how many, and what the bootstrap
+  resampled, is reported with it. Skipped trials count for neither job; errored ones count as
+  written (unresolved).
+- A difference is *beyond the noise* when its interval lies above 0 and *reversed* when it lies
+  below 0 (the first job worse beyond the noise); otherwise it is within the noise.
+- The demo's verdicts (`t1jax.demo.driver`) are these comparisons, so `t1jax compare` on the
+  demo's evaluation jobs prints the numbers its summary holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from t1jax.eval.job import per_task, task_families
+from t1jax.eval.passk import paired_difference, resampled_units
+
+METRICS = ("resolved", "tests_passed")
+
+
+@dataclass(frozen=True)
+class Difference:
+    """mean(job) - mean(base) of one metric over `tasks` shared tasks, with its interval."""
+
+    metric: str
+    difference: float
+    low: float
+    high: float
+    tasks: int
+    resampled: str  # what the bootstrap drew, e.g. "58 families"
+
+    @property
+    def beyond_noise(self) -> bool:
+        return self.low > 0
+
+    @property
+    def reversed(self) -> bool:
+        return self.high < 0
+
+    @property
+    def verdict(self) -> str:
+        if self.beyond_noise:
+            return "beyond the noise"
+        return "reversed beyond the noise" if self.reversed else "within the noise"
+
+    def to_json(self) -> dict:
+        """The demo summary's verdict record (and `t1jax compare --json`'s)."""
+        return {
+            "difference": self.difference,
+            "ci95": [self.low, self.high],
+            "beyond_noise": self.beyond_noise,
+        }
+
+
+class JobOutcomes:
+    """One evaluation job's per-task outcomes, read once: resolved and share of tests passed per
+    trial, and the template family each task names."""
+
+    def __init__(self, job_dir: str | Path):
+        self.path = Path(job_dir)
+        self.resolved = per_task(self.path)
+        passed, total = per_task(self.path, "tests_passed"), per_task(self.path, "tests_total")
+        self.tests_passed = {
+            task: [p / t if t else 0.0 for p, t in zip(passed[task], total[task], strict=True)]
+            for task in passed
+        }
+        self.families = task_families(self.path)
+
+    def metric(self, name: str) -> dict[str, list[float]]:
+        return self.resolved if name == "resolved" else self.tests_passed
+
+    def rate(self, name: str) -> float | None:
+        """Mean over tasks of each task's mean outcome (the resolved rate with one attempt)."""
+        outcomes = self.metric(name)
+        if not outcomes:
+            return None
+        return sum(sum(v) / len(v) for v in outcomes.values()) / len(outcomes)
+
+
+def compare_jobs(
+    job: JobOutcomes, base: JobOutcomes, *, families: Mapping[str, str] | None = None
+) -> dict[str, Difference]:
+    """Per metric, job - base on the tasks both evaluated (None-free: a metric with no shared
+    task is left out). `families` defaults to the union of the two jobs' (they ran one split)."""
+    clusters = {**base.families, **job.families} if families is None else dict(families)
+    differences = {}
+    for metric in METRICS:
+        a, b = job.metric(metric), base.metric(metric)
+        result = paired_difference(a, b, clusters=clusters)
+        if result is None:
+            continue
+        shared = sorted(set(a) & set(b))
+        differences[metric] = Difference(
+            metric, result[0], result[1], result[2], len(shared), resampled_units(shared, clusters)
+        )
+    return differences
+
+
+# ---- `t1jax compare` ------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("jobs", nargs="+", type=Path, metavar="JOB", help="t1jax eval job directories")
+    parser.add_argument(
+        "--against", type=Path, required=True, metavar="BASE", help="the job each JOB is compared with"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout instead of a table")
+
+
+def _load(job_dir: Path) -> JobOutcomes:
+    from t1jax.cli import UsageError
+
+    if not job_dir.is_dir():
+        raise UsageError(f"{job_dir}: no such job directory")
+    outcomes = JobOutcomes(job_dir)
+    if not outcomes.resolved:
+        raise UsageError(f"{job_dir}: no trial results (*/result.json); is it a `t1jax eval` job directory?")
+    return outcomes
+
+
+def run(args: argparse.Namespace) -> int:
+    from t1jax.cli import UsageError
+
+    base = _load(args.against)
+    rows = []
+    for job_dir in args.jobs:
+        job = _load(job_dir)
+        differences = compare_jobs(job, base)
+        if "resolved" not in differences:
+            raise UsageError(f"{job_dir} and {args.against} share no evaluated task")
+        rows.append((job, differences))
+    if args.json:
+        report = {
+            "against": {"job": str(base.path), **{m: base.rate(m) for m in METRICS}},
+            "jobs": [
+                {
+                    "job": str(job.path),
+                    **{m: job.rate(m) for m in METRICS},
+                    "tasks": differences["resolved"].tasks,
+                    "resampled": differences["resolved"].resampled,
+                    "differences": {m: {**d.to_json(), "verdict": d.verdict} for m, d in differences.items()},
+                }
+                for job, differences in rows
+            ],
+        }
+        json.dump(report, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    _print_table(base, rows)
+    return 0
+
+
+def _print_table(base: JobOutcomes, rows) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def rate(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    def diff(d: Difference | None) -> str:
+        if d is None:
+            return "-"
+        mark = " *" if d.beyond_noise else (" (worse)" if d.reversed else "")
+        return f"{d.difference:+.3f} [{d.low:+.3f}, {d.high:+.3f}]{mark}"
+
+    table = Table(title=f"against {base.path}: resolved {rate(base.rate('resolved'))}, "
+                  f"tests passed {rate(base.rate('tests_passed'))}")  # fmt: skip
+    table.add_column("job", overflow="fold")  # a long path folds; the numbers never wrap
+    for column in ("tasks", "resolved", "- base (95% CI)", "tests passed", "- base (95% CI)"):
+        table.add_column(column, no_wrap=True)
+    for job, differences in rows:
+        table.add_row(
+            str(job.path), str(differences["resolved"].tasks),
+            rate(job.rate("resolved")), diff(differences.get("resolved")),
+            rate(job.rate("tests_passed")), diff(differences.get("tests_passed")),
+        )  # fmt: skip
+    console = Console(width=max(120, Console().width))
+    console.print(table)
+    resampled = {differences["resolved"].resampled for _, differences in rows}
+    console.print(
+        f"intervals: percentile bootstrap resampling {', '.join(sorted(resampled))}; "
+        "* beyond the noise (interval above 0), (worse) reversed beyond it"
+    )
