@@ -423,29 +423,32 @@ def test_daemon_running_through_verification_cannot_touch_tests_or_reports(any_b
     and the report directory exist only in the verifier's own mount namespace."""
     sandbox = any_backend.create(hello_task)
     conftest = _PASSING_CONFTEST.replace('"', "'").replace("\n", "\\n")
+    # The loop records its pid, and "alive" means that pid: counting processes by command line
+    # also counted the loop's forks in the instant before they exec (cat, mkdir, mv, sleep).
     writer = (
-        "setsid sh -c 'while true; do "
+        "setsid sh -c 'echo $$ > /tmp/writer.pid; while true; do "
         "cat /tests/test_outputs.py /run/t1jax-verifier/toolchain/run_pytest.py >> /tmp/saw 2>/dev/null; "
         # written aside then renamed: the check below must never catch the file truncated mid-write
         f'mkdir -p /tests 2>/dev/null; printf "{conftest}" > /tests/.c 2>/dev/null; '
         "mv -f /tests/.c /tests/conftest.py 2>/dev/null; "
         f"{_FAKE_REPORTS.replace(chr(39), chr(34))} 2>/dev/null; sleep 0.01; done' > /dev/null 2>&1 &"
     )
+    alive = "for i in $(seq 50); do [ -s /tmp/writer.pid ] && break; sleep 0.1; done; "
+    alive += "kill -0 $(cat /tmp/writer.pid) && echo alive"
     try:
         sandbox.exec(writer, 30)
-        assert sandbox.exec(count_processes("sh?-c?while?true*"), 30).stdout == "1\n"  # alive at verify time
+        assert sandbox.exec(alive, 30).stdout == "alive\n"  # at verify time
         planted = "for i in $(seq 50); do [ -s /tests/conftest.py ] && break; sleep 0.1; done; "
         planted += "cat /tests/conftest.py"
         assert "pytest_runtest_makereport" in sandbox.exec(planted, 30).stdout  # the loop has run
         report = sandbox.verify()
         seen = _host_file(sandbox, "/tmp/saw")
-        still_running = sandbox.exec_raw(count_processes("sh?-c?while?true*"), 30, as_root=True) if hasattr(
-            sandbox, "exec_raw") else None  # fmt: skip
+        still_running = sandbox.exec_raw(alive, 30, as_root=True) if hasattr(sandbox, "exec_raw") else None
     finally:
         sandbox.close()
     assert report.parsed and (report.passed, report.total) == (0, 2) and report.reward_value == 0.0
     assert not seen, f"the daemon read the tests or the toolchain: {seen[:200]}"
-    assert still_running is None or still_running.stdout == "1\n"
+    assert still_running is None or still_running.stdout == "alive\n"
 
 
 def _host_file(sandbox, path: str) -> str | None:
