@@ -98,8 +98,9 @@ class JobOutcomes:
 def compare_jobs(
     job: JobOutcomes, base: JobOutcomes, *, families: Mapping[str, str] | None = None
 ) -> dict[str, Difference]:
-    """Per metric, job - base on the tasks both evaluated (None-free: a metric with no shared
-    task is left out). `families` defaults to the union of the two jobs' (they ran one split)."""
+    """Per metric, job - base on the tasks both evaluated (a metric without a shared task is left
+    out). A task's outcome is the mean over its trials, so the jobs may differ in attempts per
+    task. `families` defaults to the union of the two jobs' (they ran one split)."""
     clusters = {**base.families, **job.families} if families is None else dict(families)
     differences = {}
     for metric in METRICS:
