@@ -860,12 +860,13 @@ class Demo:
     def _reward_variance(self) -> dict[str, Any] | None:
         """What the SFT policy leaves RL to learn from (`VarianceStage`): the share of the sampled
         train tasks whose attempts' test-count rewards differ, and whose resolved outcomes differ."""
-        from t1jax.eval.job import per_task
+        from t1jax.eval.job import per_task, trial_results
 
         job = self.eval_dir / "sft-variance"
         if not (job / "result.json").is_file():
             return None
-        rewards, resolved = per_task(job, "test_count_reward"), per_task(job, "resolved")
+        results = trial_results(job)
+        rewards, resolved = per_task(results, "test_count_reward"), per_task(results, "resolved")
         grouped = [t for t, values in rewards.items() if len(values) > 1]
         if not grouped:
             return None

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from t1jax.eval.job import per_task, task_families
+from t1jax.eval.job import per_task, task_families, trial_results
 from t1jax.eval.passk import paired_difference, resampled_units
 
 METRICS = ("resolved", "tests_passed")
@@ -76,13 +76,14 @@ class JobOutcomes:
 
     def __init__(self, job_dir: str | Path):
         self.path = Path(job_dir)
-        self.resolved = per_task(self.path)
-        passed, total = per_task(self.path, "tests_passed"), per_task(self.path, "tests_total")
+        results = trial_results(self.path)
+        self.resolved = per_task(results)
+        passed, total = per_task(results, "tests_passed"), per_task(results, "tests_total")
         self.tests_passed = {
             task: [p / t if t else 0.0 for p, t in zip(passed[task], total[task], strict=True)]
             for task in passed
         }
-        self.families = task_families(self.path)
+        self.families = task_families(results)
 
     def metric(self, name: str) -> dict[str, list[float]]:
         return self.resolved if name == "resolved" else self.tests_passed

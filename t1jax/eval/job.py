@@ -491,22 +491,22 @@ class EvalJob:
         return result
 
 
-def task_families(job_dir: str | Path) -> dict[str, str]:
-    """Task id -> template family (`Task.family`) of the trials in a job directory that name one."""
-    families: dict[str, str] = {}
-    for path in sorted(Path(job_dir).glob("*/result.json")):
-        result = json.loads(path.read_text())
-        if result.get("family"):
-            families[result["task_id"]] = result["family"]
-    return families
+def trial_results(job_dir: str | Path) -> list[dict[str, Any]]:
+    """Every trial's result.json in a job directory, in trial-directory order (read once; the
+    functions below take this list)."""
+    return [json.loads(path.read_text()) for path in sorted(Path(job_dir).glob("*/result.json"))]
 
 
-def per_task(job_dir: str | Path, key: str = "resolved") -> dict[str, list[float]]:
-    """Each task's trial outcomes (`key` of the trials' result.json) in a job directory; skipped
-    trials are left out, errored ones count as written (0)."""
+def task_families(results: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """Task id -> template family (`Task.family`) of the trials that name one."""
+    return {result["task_id"]: result["family"] for result in results if result.get("family")}
+
+
+def per_task(results: Iterable[Mapping[str, Any]], key: str = "resolved") -> dict[str, list[float]]:
+    """Each task's trial outcomes (`key` of the trials' results); skipped trials are left out,
+    errored ones count as written (0)."""
     outcomes: dict[str, list[float]] = defaultdict(list)
-    for path in sorted(Path(job_dir).glob("*/result.json")):
-        result = json.loads(path.read_text())
+    for result in results:
         if not result["skipped"]:
             outcomes[result["task_id"]].append(float(result[key]))
     return dict(outcomes)

@@ -617,7 +617,7 @@ def test_the_verdicts_resample_held_out_families_not_tasks(tmp_path):
     families b, c, d) holds either way (only a drawn 4 times: p = 0.4%). The families are the
     ones the trials' results name (each task's `[metadata].family`)."""
     from t1jax.demo.driver import Demo
-    from t1jax.eval.job import aggregate, per_task
+    from t1jax.eval.job import aggregate, per_task, trial_results
     from t1jax.eval.passk import paired_difference
 
     families = {f"suite/heldout-{f}-{i:04d}": f for f in ("a", "b", "c", "d") for i in range(4)}
@@ -646,7 +646,8 @@ def test_the_verdicts_resample_held_out_families_not_tasks(tmp_path):
     rl_over_sft = summary["verdicts"]["rl>sft (greedy)"]
     assert rl_over_sft["difference"] == pytest.approx(4 / 16)
     assert rl_over_sft["ci95"][0] == 0.0 and not rl_over_sft["beyond_noise"]
-    by_task = paired_difference(*(per_task(tmp_path / "eval" / f"{name}-greedy") for name in ("rl", "sft")))
+    jobs = (trial_results(tmp_path / "eval" / f"{name}-greedy") for name in ("rl", "sft"))
+    by_task = paired_difference(*(per_task(results) for results in jobs))
     assert by_task[1] > 0  # what resampling tasks would have claimed
     sft_over_base = summary["verdicts"]["sft>base (greedy)"]
     assert sft_over_base["difference"] == pytest.approx(3 / 16) and sft_over_base["beyond_noise"]
