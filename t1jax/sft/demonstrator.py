@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,17 +75,30 @@ def load_plan(task: Task) -> dict:
     return json.loads(path.read_text())
 
 
-def script_for(plan: dict, rng: random.Random) -> DemoScript:
+def script_for(plan: dict, rng: random.Random, habits: Mapping[str, float] | None = None) -> DemoScript:
     """Draw one demonstration: each step is done its correct way, or (with the idiom's mistake
-    rate) one of its mistakes chosen uniformly."""
+    rate) one of its mistakes chosen uniformly.
+
+    `habits` (mistake name -> rate): mistakes the demonstrator makes by habit. A step that offers
+    one is done that wrong way at the habit's rate instead (the first habit it offers, in the
+    step's order), whatever its idiom's rate. Above 0.5 the mistake is the demonstration's mode,
+    so a policy imitating it makes the mistake when it decodes greedily: a systematic error that
+    only the verifier's reward can teach away, as a rejection-sampled SFT set inherits its
+    sampler's systematic errors."""
     replies: list[str] = []
     mistakes: list[tuple[int, str]] = []
+    habits = habits or {}
     for step in plan["steps"]:
         note = f"Step {step['number']}: {step['sentence']}"
         for command in step["inspect"]:
             replies.append(shell_reply(f"{note} I look first.", command))
         actions = step["actions"]
-        if step["mistakes"] and rng.random() < step["mistake_rate"]:
+        habitual = next((m for m in step["mistakes"] if m["name"] in habits), None)
+        if habitual is not None:
+            if rng.random() < habits[habitual["name"]]:
+                actions = habitual["actions"]
+                mistakes.append((step["number"], habitual["name"]))
+        elif step["mistakes"] and rng.random() < step["mistake_rate"]:
             mistake = rng.choice(step["mistakes"])
             actions = mistake["actions"]
             mistakes.append((step["number"], mistake["name"]))

@@ -26,7 +26,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,12 +115,22 @@ def collect_demonstrations(
     reward: RewardConfig | None = None,
     run_id: str = "sft-demos",
     on_demo: Callable[[Demonstration], None] | None = None,
+    habits: Mapping[str, float] | None = None,
 ) -> list[Demonstration]:
     """Run `demos_per_task` demonstrations of every task, `workers` at a time (module docstring).
-    The mistakes of demonstration k of task i depend only on (seed, task id, k)."""
+    The mistakes of demonstration k of task i depend only on (seed, task id, k) and `habits`
+    (`script_for`); a habit that no task's step offers is an error, not a silent no-op."""
     if demos_per_task < 1 or workers < 1:
         raise ValueError(f"demos_per_task and workers must be >= 1, got {demos_per_task}, {workers}")
     plans = [load_plan(task) for task in tasks]  # fail before any sandbox starts
+    habits = dict(habits or {})
+    offered = {m["name"] for plan in plans for step in plan["steps"] for m in step["mistakes"]}
+    unknown = sorted(set(habits) - offered)
+    if unknown:
+        raise ValueError(
+            f"demonstration habits {unknown}: no step of these {len(tasks)} tasks offers that mistake "
+            f"(offered: {', '.join(sorted(offered))})"
+        )
     demonstrator = Demonstrator()
     sampler = ScriptedSampler(tokenizer, demonstrator, with_routing=False)
     config = demo_harness(harness)
@@ -131,7 +141,7 @@ def collect_demonstrations(
     def one(job) -> Demonstration:
         index, task, k = job
         trial_id = f"{run_id}-{index:05d}-{k}"
-        script = script_for(plans[index], random.Random(f"{seed}/{task.task_id}/{k}"))
+        script = script_for(plans[index], random.Random(f"{seed}/{task.task_id}/{k}"), habits)
         demonstrator.add(trial_id, script)
         try:
             demo = _run_one(task, trial_id, script.mistakes, sandboxes, sampler, tokenizer, config,

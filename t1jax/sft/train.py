@@ -47,6 +47,17 @@ class DemoConfig:
     workers: int = 2
     verify: bool = False  # verifying costs ~0.35 s a trial; the SFT loss does not need the reward
     max_live_sandboxes: int = 4
+    # mistake name -> rate at which the demonstrator makes it wherever a step offers it, instead of
+    # the idiom's rate (`t1jax.sft.demonstrator.script_for`); above 0.5 it is the demonstrations'
+    # mode, a systematic error of the SFT data
+    habits: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        habits = dict(self.habits)
+        for name, rate in habits.items():
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+                raise ValueError(f"demonstrations.habits.{name}: a rate in [0, 1], got {rate!r}")
+        object.__setattr__(self, "habits", {name: float(rate) for name, rate in habits.items()})
 
 
 @dataclass(frozen=True)
@@ -320,6 +331,7 @@ def _collect(config: SFTConfig, tasks_dir, out_dir: Path, sandboxes, say) -> tup
                 list(dataset.tasks), sandboxes, load_project_tokenizer(), config.harness, seed=config.seed,
                 demos_per_task=config.demonstrations.per_task, workers=config.demonstrations.workers,
                 verify=config.demonstrations.verify, on_demo=on_demo,
+                habits=config.demonstrations.habits,
             )  # fmt: skip
         finally:
             if owned:

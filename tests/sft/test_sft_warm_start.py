@@ -31,6 +31,7 @@ from t1jax.agent.tokenizer import load_project_tokenizer
 from t1jax.data.suite import SuiteConfig, generate_suite
 from t1jax.sft.demonstrator import CONFIRM_REPLY, DONE_REPLY, script_for
 from t1jax.sft.demos import collect_demonstrations
+from t1jax.sft.train import DemoConfig
 from t1jax.tito.types import TrialStatus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,6 +88,23 @@ def test_scripts_follow_the_plan_at_the_mistake_rate():
     assert done.ok and done.task_complete and not done.commands
 
 
+def test_a_habit_replaces_the_idioms_rate_wherever_a_step_offers_its_mistake():
+    rng = random.Random(1)
+    # step 2's idiom never errs (rate 0), but its mistake is a habit: made at the habit's rate
+    scripts = [script_for(PLAN, rng, {"name": 0.7}) for _ in range(2000)]
+    step2 = sum((2, "name") in s.mistakes for s in scripts) / len(scripts)
+    step1 = sum((1, "copy") in s.mistakes for s in scripts) / len(scripts)
+    assert abs(step2 - 0.7) < 0.04 and abs(step1 - 0.3) < 0.04  # binomial sd 0.01
+    for script in scripts[:50]:
+        expected = "wc -l /app/a > /app/b" if (2, "name") in script.mistakes else "wc -l < /app/a > /app/b"
+        assert commands_of(script.replies[-1]) == [expected]
+    # a habit at 0 is a step done right always, whatever the idiom's rate
+    assert not any(script_for(PLAN, rng, {"copy": 0.0}).mistakes for _ in range(200))
+    assert script_for(PLAN, random.Random(7), {}) == script_for(PLAN, random.Random(7))
+    with pytest.raises(ValueError, match=r"demonstrations.habits.name: a rate in \[0, 1\], got 1.5"):
+        DemoConfig(habits={"name": 1.5})
+
+
 @pytest.fixture(scope="module")
 def toolchain():
     return setup_toolchain(REPO / DEFAULT_TOOLCHAIN_DIR, quiet=True).directory
@@ -108,6 +126,13 @@ def with_mistake_rate(task_dir: Path, target: Path, rate: float) -> Path:
         step["mistake_rate"] = rate
     plan_path.write_text(json.dumps(plan))
     return target
+
+
+def test_a_habit_no_task_offers_is_refused_before_any_sandbox(suite):
+    tasks = [load_task(path) for path in sorted((suite / "train").iterdir())[:4]]
+    with pytest.raises(ValueError, match=r"habits \['sed-without-l'\]: no step of these 4 tasks offers"):
+        collect_demonstrations(tasks, None, load_project_tokenizer(), HARNESS, seed=0,
+                               habits={"sed-without-l": 0.9})  # fmt: skip
 
 
 @pytest.mark.sandbox
