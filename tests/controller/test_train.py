@@ -36,13 +36,16 @@ STEPS, LAUNCH, ADMIT = 3, 4, 3
 
 def run_config(tmp_path: Path, **overrides) -> dict:
     """The tiny run, sized for the test suite: 2 trainer + 1 sampler devices, 4 trials launched
-    and 3 admitted per step, 2-turn trials, one row bucket (one compiled program per role)."""
+    and 3 admitted per step, 2-turn trials, one row bucket (one compiled program per role). The
+    demo's compact prompt (113-431 tokens of system prompt + instruction for these tasks, against
+    387-705 + ~300 of tool schemas under the full profile) keeps every stream within one
+    1024-token row, so each program computes and compiles at half the full profile's length."""
     raw = {
         "run": {"name": "test", "seed": 0, "steps": STEPS},
         "model": {"preset": str(REPO / "configs" / "tiny_cpu.yaml")},
         "devices": {"trainer": 2, "sampler": 1},
         "trainer": {"mesh": {"fsdp": 2}},
-        "sampler": {"max_batch": LAUNCH, "max_context": 2048, "mesh": {"tensor": 1}},
+        "sampler": {"max_batch": LAUNCH, "max_context": 1024, "mesh": {"tensor": 1}},
         "sandboxes": {
             "max_live": LAUNCH,
             "create_rate_per_sec": None,
@@ -55,7 +58,8 @@ def run_config(tmp_path: Path, **overrides) -> dict:
             "max_tokens_per_turn": 24,
             "min_turn_tokens": 16,
             "observation_reserve_tokens": 64,
-            "context_window": 2048,
+            "context_window": 1024,
+            "prompt_profile": "compact",
             "compaction": False,
             "summary_max_tokens": 64,
             "max_output_bytes": 2000,
@@ -64,7 +68,7 @@ def run_config(tmp_path: Path, **overrides) -> dict:
         "rl": {
             "actor_optimizer": {"learning_rate": 1.0e-3},
             "critic_optimizer": {"learning_rate": 3.0e-3},
-            "batching": {"row_length_buckets": [2048], "rows_per_micro_batch": 2, "pack": False},
+            "batching": {"row_length_buckets": [1024], "rows_per_micro_batch": 2, "pack": False},
         },
         "checkpoint": {"weights_every": STEPS, "state_every": 1},
         "logging": {"display": False},

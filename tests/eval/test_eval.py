@@ -153,7 +153,8 @@ def test_a_model_checkpoint_is_evaluated_through_the_engine(tmp_path, tiny_check
     result = run_eval(
         tmp_path,
         "--checkpoint", str(tiny_checkpoint), "--attempts", "2", "--max-turns", "1",
-        "--max-tokens-per-turn", "16", "--context-window", "2048", "--concurrency", "4",
+        "--max-tokens-per-turn", "16", "--context-window", "1024", "--prompt-profile", "compact",
+        "--concurrency", "4",
     )  # fmt: skip
     # A random policy resolves nothing, but every trial ran: no errors, nothing skipped.
     assert result["n_total_trials"] == 2 * N_TASKS and result["n_errors"] == 0 and not result["skipped"]

@@ -58,21 +58,22 @@ REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "tests" / "data" / "tasks"
 RUN_ID = "integration-one-rl-step"
 
-# A stitched stream is the system prompt + instruction (1100-1450 tokens of the project's BPE)
-# plus a few short turns (1280-1610 tokens here), so every sample fits one row bucket and all
-# tests share the learner's compiled programs. Two rows per micro-batch: one per data-parallel
-# shard of the trainer mesh; three samples make two micro-batches, so gradients accumulate too.
-ROW_BUCKETS = (1792,)
+# A stitched stream is the compact system prompt + instruction (113-253 tokens of the project's
+# BPE for these tasks) plus a few short turns, so every sample fits one row bucket and all tests
+# share the learner's compiled programs. Two rows per micro-batch: one per data-parallel shard of
+# the trainer mesh; three samples make two micro-batches, so gradients accumulate too.
+ROW_BUCKETS = (1024,)
 ROWS_PER_MICRO_BATCH = 2
-CONTEXT = 2048  # sampler context = harness context window (the tiny model has 4096 positions)
+CONTEXT = 1024  # sampler context = harness context window (the tiny model has 4096 positions)
 
-# The random policy: short turns, no compaction (a 2048-token window cannot hold a summary).
+# The random policy: short turns, no compaction (a 1024-token window cannot hold a summary).
 RANDOM_POLICY_HARNESS = HarnessConfig(
     max_turns=2,
     max_tokens_per_turn=24,
     min_turn_tokens=16,
     observation_reserve_tokens=64,
     context_window=CONTEXT,
+    prompt_profile="compact",
     compaction=False,
     summary_max_tokens=64,
     max_output_bytes=2000,

@@ -33,13 +33,16 @@ SAMPLING = SamplingParams(max_new_tokens=1, temperature=1.0, seed=5)
 SCRIPTED_HARNESS = HarnessConfig(
     max_turns=12, context_window=16_384, summary_max_tokens=512, require_routing=False
 )
-# The random policy writes garbage: short turns, no compaction (a 2048 window cannot hold a summary).
+# The random policy writes garbage: short turns, no compaction (a 1024 window cannot hold a
+# summary), the compact prompt (the prefill of the full profile's ~1,100-token tool prompt was most
+# of these tests' engine time).
 RANDOM_HARNESS = HarnessConfig(
     max_turns=2,
     max_tokens_per_turn=24,
     min_turn_tokens=16,
     observation_reserve_tokens=64,
-    context_window=2048,
+    context_window=1024,
+    prompt_profile="compact",
     compaction=False,
     summary_max_tokens=64,
     max_output_bytes=2000,
@@ -261,7 +264,7 @@ def test_a_publication_during_multi_turn_trials_never_mixes_versions(
             assert trial.assembly is None  # never a sample
 
 
-def _max_logprob_gap(model, params, sample, length=2048) -> float:
+def _max_logprob_gap(model, params, sample, length=RANDOM_HARNESS.context_window) -> float:
     """max |trainer - sampler| log-prob over the sample's loss tokens, the trainer being `model`
     with `params` and the sample's routing replayed (one jitted program: rows padded to `length`;
     a causal model's earlier positions do not see the padding)."""
