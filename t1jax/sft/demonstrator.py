@@ -18,8 +18,9 @@ never reacts to what a command printed (a failed mistake goes uncorrected), as r
 trajectories that still earned partial credit would not: the verifier, not the demonstrator,
 says what went wrong.
 
-Invariant: a script is a pure function of (plan, rng state); the inspection of a step always
-precedes its action, so the observation the action's slot value comes from is in the context.
+Invariant: a script is a pure function of (plan, rng state, habits); the inspection of a step
+always precedes its action, so the observation the action's slot value comes from is in the
+context.
 """
 
 from __future__ import annotations

@@ -102,6 +102,18 @@ def demo_harness(base: HarnessConfig) -> HarnessConfig:
     return dataclasses.replace(base, require_routing=False)
 
 
+def check_habits(plans: Sequence[dict], habits: Mapping[str, float]) -> None:
+    """A ValueError naming every habit that no step of these plans offers (a misspelt mistake
+    name would otherwise change nothing, silently)."""
+    offered = {m["name"] for plan in plans for step in plan["steps"] for m in step["mistakes"]}
+    unknown = sorted(set(habits) - offered)
+    if unknown:
+        raise ValueError(
+            f"demonstration habits {unknown}: no step of these {len(plans)} tasks offers that mistake "
+            f"(offered: {', '.join(sorted(offered))})"
+        )
+
+
 def collect_demonstrations(
     tasks: Sequence[Task],
     sandboxes: SandboxProvider,
@@ -124,13 +136,7 @@ def collect_demonstrations(
         raise ValueError(f"demos_per_task and workers must be >= 1, got {demos_per_task}, {workers}")
     plans = [load_plan(task) for task in tasks]  # fail before any sandbox starts
     habits = dict(habits or {})
-    offered = {m["name"] for plan in plans for step in plan["steps"] for m in step["mistakes"]}
-    unknown = sorted(set(habits) - offered)
-    if unknown:
-        raise ValueError(
-            f"demonstration habits {unknown}: no step of these {len(tasks)} tasks offers that mistake "
-            f"(offered: {', '.join(sorted(offered))})"
-        )
+    check_habits(plans, habits)
     demonstrator = Demonstrator()
     sampler = ScriptedSampler(tokenizer, demonstrator, with_routing=False)
     config = demo_harness(harness)

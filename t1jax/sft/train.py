@@ -56,7 +56,7 @@ class DemoConfig:
         habits = dict(self.habits)
         for name, rate in habits.items():
             if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
-                raise ValueError(f"demonstrations.habits.{name}: a rate in [0, 1], got {rate!r}")
+                raise ValueError(f"habits.{name}: a rate in [0, 1], got {rate!r}")
         object.__setattr__(self, "habits", {name: float(rate) for name, rate in habits.items()})
 
 
@@ -303,13 +303,16 @@ def _collect(config: SFTConfig, tasks_dir, out_dir: Path, sandboxes, say) -> tup
     their records, their samples, the number of tasks."""
     from sandbox_service.tasks import load_dataset
     from t1jax.agent.tokenizer import load_project_tokenizer
-    from t1jax.sft.demos import collect_demonstrations
+    from t1jax.sft.demonstrator import load_plan
+    from t1jax.sft.demos import check_habits, collect_demonstrations
 
     dataset = load_dataset(tasks_dir)
     if dataset.errors:
         raise ValueError(f"{tasks_dir}: {len(dataset.errors)} tasks do not load; first: {dataset.errors[0]}")
     if not dataset.tasks:
         raise ValueError(f"{tasks_dir}: no tasks found")
+    # before the output directory exists, so a corrected command can reuse the same --out
+    check_habits([load_plan(task) for task in dataset.tasks], config.demonstrations.habits)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config_record(config), indent=1) + "\n")
     started = time.monotonic()

@@ -101,7 +101,7 @@ def test_a_habit_replaces_the_idioms_rate_wherever_a_step_offers_its_mistake():
     # a habit at 0 is a step done right always, whatever the idiom's rate
     assert not any(script_for(PLAN, rng, {"copy": 0.0}).mistakes for _ in range(200))
     assert script_for(PLAN, random.Random(7), {}) == script_for(PLAN, random.Random(7))
-    with pytest.raises(ValueError, match=r"demonstrations.habits.name: a rate in \[0, 1\], got 1.5"):
+    with pytest.raises(ValueError, match=r"habits.name: a rate in \[0, 1\], got 1.5"):
         DemoConfig(habits={"name": 1.5})
 
 
@@ -237,7 +237,7 @@ def test_sft_cli_end_to_end(suite, toolchain, tmp_path):
     assert mismatch.returncode == 2 and "another harness (differs in ['max_turns'])" in mismatch.stderr
 
 
-def test_sft_cli_rejects_bad_input(tmp_path):
+def test_sft_cli_rejects_bad_input(tmp_path, suite):
     config = sft_config(tmp_path)
     missing = run_cli(
         "--config", str(config), "--tasks", str(tmp_path / "nope"), "--out", str(tmp_path / "o")
@@ -261,6 +261,11 @@ def test_sft_cli_rejects_bad_input(tmp_path):
     empty = run_cli("--config", str(config), "--demonstrations", str(tmp_path / "nope"),
                     "--out", str(tmp_path / "o"))  # fmt: skip
     assert empty.returncode == 2 and "no config.json, demonstrations.jsonl, samples.npz" in empty.stderr
+    bad.write_text("demonstrations:\n  habits: {sed-without-l: 0.7}\n")  # a misspelt mistake name
+    habit = run_cli("--config", str(bad), "--tasks", str(suite / "train"), "--collect-only",
+                    "--out", str(tmp_path / "o"))  # fmt: skip
+    assert habit.returncode == 2 and "habits ['sed-without-l']: no step of these" in habit.stderr
+    assert "Traceback" not in habit.stderr
     assert not (tmp_path / "o").exists()  # nothing written by a refused run
 
 
