@@ -48,9 +48,8 @@ setup-system:
 setup-containers:
 	$(PY) -m sandbox_service stand-ins --import $(DEFAULT_STAND_INS) $(CORPUS_STAND_INS)
 
-# --dist loadgroup: tests marked with one xdist_group run on one worker (their module fixture once)
 test:
-	$(PY) -m pytest -m "not slow" -n $(PYTEST_WORKERS) --dist loadgroup -q
+	$(PY) -m pytest -m "not slow" -n $(PYTEST_WORKERS) -q
 
 # The demo (README "The demo"): base -> SFT -> critic warm-up -> RL on a generated suite, held-out
 # evaluation of all three, the Table-1-style result in DEMO_OUT/summary.md. Re-running continues

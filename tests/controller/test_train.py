@@ -102,11 +102,6 @@ def live_sandboxes(tmp_path: Path) -> list[str]:
         backend.close()
 
 
-# The tests that read the reference run share one xdist worker (`make test` runs `--dist
-# loadgroup`): a module fixture is built once per worker, and split over two it trained twice.
-REFERENCE_GROUP = pytest.mark.xdist_group("controller-reference-run")
-
-
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     """An uninterrupted run of the test config (the other tests compare against it)."""
@@ -119,7 +114,6 @@ def reference_run(tmp_path_factory):
     return tmp_path, run_dir.path
 
 
-@REFERENCE_GROUP
 def test_three_steps_one_ahead_and_everything_a_run_directory_promises(reference_run):
     tmp_path, run = reference_run
     rows = read_metrics(run)
@@ -200,7 +194,6 @@ def _wait_for_step(process, run: Path, step: int) -> None:
         time.sleep(0.2)
 
 
-@REFERENCE_GROUP
 def test_sigkill_then_sigterm_then_resume_trains_the_same_draws(reference_run, tmp_path):
     """SIGKILL during step 2; `--resume`, then SIGTERM during its first rollout (trials
     cancelled, sandboxes closed, exit 0); `--resume` again: the run ends with each step recorded
@@ -323,7 +316,6 @@ def test_a_hung_sampler_is_named_by_its_probe(tmp_path, monkeypatch):
     assert not live_sandboxes(tmp_path)
 
 
-@REFERENCE_GROUP
 def test_the_training_curves_notebook_runs_on_this_run(reference_run, monkeypatch):
     """notebooks/training_curves.ipynb, executed by a real kernel (nbclient) on the reference
     run's directory, and the PNGs `make demo` saves from the same figures."""
