@@ -58,7 +58,7 @@ REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "tests" / "data" / "tasks"
 RUN_ID = "integration-one-rl-step"
 
-# A stitched stream is the compact system prompt + instruction (113-253 tokens of the project's
+# A stitched stream is the compact system prompt + instruction (113-277 tokens of the project's
 # BPE for these tasks) plus a few short turns, so every sample fits one row bucket and all tests
 # share the learner's compiled programs. Two rows per micro-batch: one per data-parallel shard of
 # the trainer mesh; three samples make two micro-batches, so gradients accumulate too.
