@@ -433,13 +433,11 @@ def test_daemon_running_through_verification_cannot_touch_tests_or_reports(any_b
         "mv -f /tests/.c /tests/conftest.py 2>/dev/null; "
         f"{_FAKE_REPORTS.replace(chr(39), chr(34))} 2>/dev/null; sleep 0.01; done' > /dev/null 2>&1 &"
     )
-    alive = "for i in $(seq 50); do [ -s /tmp/writer.pid ] && break; sleep 0.1; done; "
-    alive += "kill -0 $(cat /tmp/writer.pid) && echo alive"
+    alive = _once_written("/tmp/writer.pid") + "kill -0 $(cat /tmp/writer.pid) && echo alive"
     try:
         sandbox.exec(writer, 30)
         assert sandbox.exec(alive, 30).stdout == "alive\n"  # at verify time
-        planted = "for i in $(seq 50); do [ -s /tests/conftest.py ] && break; sleep 0.1; done; "
-        planted += "cat /tests/conftest.py"
+        planted = _once_written("/tests/conftest.py") + "cat /tests/conftest.py"
         assert "pytest_runtest_makereport" in sandbox.exec(planted, 30).stdout  # the loop has run
         report = sandbox.verify()
         seen = _host_file(sandbox, "/tmp/saw")
@@ -449,6 +447,11 @@ def test_daemon_running_through_verification_cannot_touch_tests_or_reports(any_b
     assert report.parsed and (report.passed, report.total) == (0, 2) and report.reward_value == 0.0
     assert not seen, f"the daemon read the tests or the toolchain: {seen[:200]}"
     assert still_running is None or still_running.stdout == "alive\n"
+
+
+def _once_written(path: str) -> str:
+    """Shell that waits up to 5 s for `path` to be non-empty (what follows it then reads it)."""
+    return f"for i in $(seq 50); do [ -s {path} ] && break; sleep 0.1; done; "
 
 
 def _host_file(sandbox, path: str) -> str | None:
