@@ -428,7 +428,7 @@ class Controller:
     # ---- training ----------------------------------------------------------------------------
 
     def _train(self, step: int, batch: _Batch) -> dict[str, float]:
-        from t1jax.runtime.metrics import rollout_metrics, selection_metrics
+        from t1jax.runtime.metrics import group_metrics, rollout_metrics, selection_metrics
         from t1jax.runtime.records import resolved
 
         collected = batch.collected
@@ -465,6 +465,9 @@ class Controller:
         metrics["reward/resolved_rate"] = sum(
             resolved(t.trajectory.verifier_report) for t in collected.admitted
         ) / len(collected.admitted)
+        outcomes = [(t.task.task_id, t.reward.reward, resolved(t.trajectory.verifier_report))
+                    for t in collected.admitted]  # fmt: skip
+        metrics.update(group_metrics(outcomes))
         metrics["data/epoch"] = float(batch.draws[0].epoch)
         metrics["data/pool_cursor"] = float(batch.draws[-1].index + 1)
         metrics.update(rollout_metrics(collected.all))

@@ -13,9 +13,10 @@ real sandboxes, the JAX engine, the learner, the controller and the evaluator, a
     OUT/demonstrations/           demonstrations in real sandboxes (t1jax sft --collect-only), run
                                   while the base model pretrains
     OUT/sft/                      masked cross-entropy on them (t1jax sft --demonstrations)
-    OUT/eval/sft-variance/        the SFT policy on a spread of train tasks, sampled as RL samples:
-                                  the share of tasks whose attempts' rewards differ (RL's signal)
-    OUT/warmup/                   critic warm-up: t1jax train with the actor held (§4.5)
+    OUT/warmup/                   critic warm-up: t1jax train with the actor held (§4.5); it
+                                  samples the SFT policy as RL samples, in groups of rollouts of
+                                  one task, so its groups are also the reward-variance check: the
+                                  share of tasks whose rollouts' rewards differ (RL's signal)
     OUT/rl/                       RL from the SFT actor and the warmed-up critic (t1jax train);
                                   with --ablation also OUT/warmup-binary/ and OUT/rl-binary/ (only
                                   the reward differs, in the warm-up as in RL); each
@@ -66,10 +67,10 @@ from t1jax.yamlio import load_yaml
 class TasksStage:
     """`t1jax tasks generate`'s settings (`t1jax.data.suite.SuiteConfig`), and RL's pool.
 
-    `rl_families_per_category`: the train tasks the critic warm-up, the reward-variance check and
-    RL draw from, when set: `t1jax tasks subset` keeps that many train families of each category
-    (covering the split's idioms first, `t1jax.data.suite.select_families`, seeded by `seed`). The
-    demonstrations and SFT always use the whole train split; the held-out split is never touched.
+    `rl_families_per_category`: the train tasks the critic warm-up and RL draw from, when set:
+    `t1jax tasks subset` keeps that many train families of each category (covering the split's
+    idioms first, `t1jax.data.suite.select_families`, seeded by `seed`). The demonstrations and
+    SFT always use the whole train split; the held-out split is never touched.
     None: RL's pool is the whole train split."""
 
     n: int = 160
@@ -126,17 +127,6 @@ class EvalStage:
 
 
 @dataclass(frozen=True)
-class VarianceStage:
-    """What the SFT policy leaves RL to learn from, checked before any RL time is spent: `attempts`
-    rollouts of each of `tasks` train tasks (spread over the split) sampled as the RL run samples
-    (its `sampling` section). A task whose attempts all score the same gives PPO nothing to prefer.
-    `tasks: 0` skips the check."""
-
-    tasks: int = 32
-    attempts: int = 4
-
-
-@dataclass(frozen=True)
 class PipelineStage:
     """How the stages share the machine: up to `parallel` run at once, each as soon as the stages
     it reads are complete (`run_stages`). On 2 cores a training stage keeps ~1.5 of them busy
@@ -158,7 +148,6 @@ class DemoConfig:
     warmup: TrainStage = field(default_factory=TrainStage)
     rl: TrainStage = field(default_factory=TrainStage)
     eval: EvalStage = field(default_factory=EvalStage)
-    variance: VarianceStage = field(default_factory=VarianceStage)
     pipeline: PipelineStage = field(default_factory=PipelineStage)
 
 
@@ -172,7 +161,7 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
     if unknown:
         raise ConfigError(f"{path}: {unknown[0]}: unknown section (known: {', '.join(known)})")
     hints = {"tasks": TasksStage, "base": BaseStage, "sft": SftStage, "warmup": TrainStage, "rl": TrainStage,
-             "eval": EvalStage, "variance": VarianceStage, "pipeline": PipelineStage}  # fmt: skip
+             "eval": EvalStage, "pipeline": PipelineStage}  # fmt: skip
     sections = {name: section_from_dict(hints[name], raw.get(name), name) for name in hints}
     return DemoConfig(**sections), path.resolve().parent
 
@@ -180,8 +169,9 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
 # Overrides only an RL run can feel. The warm-up holds the actor (schedule.train_actor: false), so
 # the actor's optimizer, clip and epochs, and how its advantages are centred, whitened, cut at 0 or
 # baselined (the critic's targets are the returns, which none of these changes; gamma and lambda do
-# change them), never reach it; nor do the RL run's groups of rollouts per task (a warm-up fits the
-# critic best on distinct tasks); and its length, seed and bookkeeping are its own. A campaign
+# change them), never reach it; nor does the RL run's group size (`schedule.rollouts_per_task`:
+# the warm-up's own groups, set in its config, are the demo's reward-variance check and need not
+# match RL's); and its length, seed and bookkeeping are its own. A campaign
 # whose every override is one of these starts from the demo's own warm-up critic; any other
 # override (a reward, a sampling temperature, the critic's optimizer, the batch, the task pool)
 # can change the critic a warm-up fits, so that campaign warms up its own, with those overrides.
@@ -397,6 +387,7 @@ class Demo:
         for name, overrides in (campaigns or {}).items():
             self.campaigns[name] = self._checked_campaign(name, dict(overrides))
         self._check_one_harness()
+        self._check_warmups()
         self.logs = self.out / "logs"
         # The stages share the compilation cache `t1jax.cli` configured in this environment
         # (t1jax.compilation_cache): each compiles only what no earlier stage or run did. On the
@@ -450,10 +441,6 @@ class Demo:
         stages.append(check)
         rl_tasks_ready = (*rl_tasks_ready, "heldout unseen")
         sft = out / "sft" / "checkpoint"
-        if c.variance.tasks > 0:
-            job = self.eval_dir / "sft-variance"
-            stages.append(Stage("sft reward variance", self._variance_command(sft, job), job / "result.json",
-                                workdir=job, needs=("sft", *rl_tasks_ready)))  # fmt: skip
         # Each campaign warms its critic up with its own reward: a critic fitted to the test-count
         # return (~0.06 here) under a binary reward that is ~always 0 makes every advantage
         # negative, and the ablation would measure the mismatch, not the reward.
@@ -479,7 +466,7 @@ class Demo:
 
     @property
     def rl_pool(self) -> Path:
-        """The tasks the warm-up, the reward-variance check and RL draw from
+        """The tasks the warm-ups and RL draw from
         (`TasksStage.rl_families_per_category`); a campaign's `tasks.directory` overrides it."""
         if self.config.tasks.rl_families_per_category is None:
             return self.out / "tasks" / "train"
@@ -598,17 +585,6 @@ class Demo:
             command += ["--set", f"{key}={json.dumps(value)}"]
         return command
 
-    def _variance_command(self, checkpoint: Path, job: Path) -> list[str]:
-        """`t1jax eval` of the SFT policy on a spread of RL's train tasks, sampled as RL samples."""
-        from t1jax.controller.config import load_run_config
-
-        sampling = load_run_config(self.path(self.config.rl.config)).sampling
-        v = self.config.variance
-        command = self._eval_harness_command(checkpoint, job, self.rl_pool)
-        return [*command, "--task-sample", str(v.tasks), "--attempts", str(v.attempts),
-                "--temperature", str(sampling.temperature), "--top-p", str(sampling.top_p),
-                "--top-k", str(sampling.top_k)]  # fmt: skip
-
     def _eval_command(self, checkpoint: Path, job: Path, mode: str) -> list[str]:
         """`t1jax eval` of a checkpoint on the held-out split, greedy or sampled (`EvalStage`)."""
         e = self.config.eval
@@ -656,6 +632,28 @@ class Demo:
                 raise ConfigError(
                     f"harness.{name}: {self.config.sft.config} has {getattr(sft, name)!r} and the rl "
                     f"stage {rl[name]!r}; RL and the evaluations must run under the harness SFT taught"
+                )
+
+    def _check_warmups(self) -> None:
+        """A ConfigError naming what is wrong unless every campaign's warm-up holds the actor,
+        samples as that campaign's RL run samples, and rolls each task out more than once: a
+        warm-up fits the critic to the SFT policy's returns under RL's sampling, and the demo's own
+        warm-up's groups are the reward-variance check (`_reward_variance`)."""
+        for name, overrides in self.campaigns.items():
+            warmup = self._run_config(self.config.warmup, warmup_overrides(overrides))
+            rl = self._run_config(self.config.rl, overrides)
+            where = f"{self.config.warmup.config} (the warm-up of {name})"
+            if warmup.schedule.train_actor:
+                raise ConfigError(f"{where}: schedule.train_actor is true; a critic warm-up holds the actor")
+            if warmup.schedule.rollouts_per_task < 2:
+                raise ConfigError(
+                    f"{where}: schedule.rollouts_per_task is {warmup.schedule.rollouts_per_task}; the "
+                    f"warm-up rolls each task out at least twice (its groups are the reward-variance check)"
+                )
+            if warmup.sampling != rl.sampling:
+                raise ConfigError(
+                    f"{where}: sampling {dataclasses.asdict(warmup.sampling)} differs from {name}'s "
+                    f"{dataclasses.asdict(rl.sampling)}; the warm-up samples as RL samples"
                 )
 
     def _run_config(self, stage: TrainStage, overrides: Mapping[str, Any]):
@@ -858,23 +856,30 @@ class Demo:
         return {s.name: recorded[s.name] for s in stages if s.name in recorded}
 
     def _reward_variance(self) -> dict[str, Any] | None:
-        """What the SFT policy leaves RL to learn from (`VarianceStage`): the share of the sampled
-        train tasks whose attempts' test-count rewards differ, and whose resolved outcomes differ."""
-        from t1jax.eval.job import per_task, trial_results
-
-        job = self.eval_dir / "sft-variance"
-        if not (job / "result.json").is_file():
+        """What the SFT policy leaves RL to learn from, measured before any policy step: over the
+        demo's critic warm-up (the SFT policy sampled as RL samples, in groups of rollouts of one
+        task; `_check_warmups`), the share of its groups whose rewards differ, and whose resolved
+        outcomes differ (`t1jax.runtime.metrics.group_metrics`, per step, summed here)."""
+        path = self.warmup_dir("rl") / "metrics.jsonl"
+        if not path.is_file():
             return None
-        results = trial_results(job)
-        rewards, resolved = per_task(results, "test_count_reward"), per_task(results, "resolved")
-        grouped = [t for t, values in rewards.items() if len(values) > 1]
-        if not grouped:
+        groups = reward_varies = resolved_varies = 0.0
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            n = record.get("reward/groups", 0.0)
+            groups += n
+            reward_varies += n * record.get("reward/groups_reward_varies", 0.0)
+            resolved_varies += n * record.get("reward/groups_resolved_varies", 0.0)
+        if not groups:
             return None
         return {
-            "tasks": len(grouped),
-            "attempts_per_task": max(len(rewards[t]) for t in grouped),
-            "reward_varies": round(sum(len(set(rewards[t])) > 1 for t in grouped) / len(grouped), 3),
-            "resolved_varies": round(sum(len(set(resolved[t])) > 1 for t in grouped) / len(grouped), 3),
+            "tasks": round(groups),
+            "attempts_per_task": self._run_config(self.config.warmup, {}).schedule.rollouts_per_task,
+            "reward_varies": round(reward_varies / groups, 3),
+            "resolved_varies": round(resolved_varies / groups, 3),
         }
 
     def _plots(self, name: str) -> list[Path]:
@@ -887,8 +892,7 @@ class Demo:
         from t1jax.report.curves import figures, load_run
 
         run = load_run(self.out / name)
-        # the held-out jobs in the pipeline's order, as the summary table has them (the
-        # reward-variance job, train tasks at the RL temperature, gets no bar)
+        # the held-out jobs in the pipeline's order, as the summary table has them
         for name in self.checkpoints:
             for mode in self.modes:
                 result = self.eval_dir / f"{name}-{mode}" / "result.json"
@@ -940,8 +944,8 @@ def render_markdown(summary: dict[str, Any]) -> str:
     variance = summary.get("sft_reward_variance")
     if variance:
         lines.append(
-            f"- SFT policy sampled as RL samples ({variance['tasks']} train tasks x "
-            f"{variance['attempts_per_task']} attempts): reward varies within "
+            f"- SFT policy sampled as RL samples, in the critic warm-up ({variance['tasks']} train tasks x "
+            f"up to {variance['attempts_per_task']} rollouts): reward varies within "
             f"{variance['reward_varies']:.0%} of tasks, resolved within "
             f"{variance['resolved_varies']:.0%}"
         )

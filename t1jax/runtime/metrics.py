@@ -9,6 +9,11 @@ oversampling cut away (paper §4.4, §9.3, §10). Flat `name -> float` dicts for
   of one oversampling step by category, difficulty and turn count, and for each axis the total
   variation distance between what was launched and what was admitted: the selection bias of §9.3
   as one number per axis per step (0: the tail was cut without favouring anything).
+- `group_metrics(trials)`: with several rollouts of one task in a batch
+  (`schedule.rollouts_per_task` > 1), how many such groups there were and the share whose
+  rewards, and whose resolved outcomes, differ: a group that scored the same throughout gives a
+  per-task baseline nothing to prefer (the controller passes the admitted trials: what the learner
+  trains on).
 """
 
 from __future__ import annotations
@@ -148,3 +153,20 @@ def selection_metrics(batch: CollectedBatch, prefix: str = "tail") -> dict[str, 
         else:
             metrics[f"{prefix}/bias_{axis}"] = total_variation(everything, counts["admitted"])
     return metrics
+
+
+def group_metrics(outcomes: Iterable[tuple[str, float, bool]], prefix: str = "reward") -> dict[str, float]:
+    """Over (task id, reward, resolved) of each trial trained on: `{prefix}/groups`, the tasks with
+    more than one trial; `{prefix}/groups_reward_varies` / `groups_resolved_varies`, the share of
+    those whose rewards / resolved outcomes are not all equal. Empty when no task has two."""
+    by_task: dict[str, list[tuple[float, bool]]] = {}
+    for task_id, reward, solved in outcomes:
+        by_task.setdefault(task_id, []).append((reward, solved))
+    groups = [group for group in by_task.values() if len(group) > 1]
+    if not groups:
+        return {}
+    return {
+        f"{prefix}/groups": float(len(groups)),
+        f"{prefix}/groups_reward_varies": sum(len({r for r, _ in g}) > 1 for g in groups) / len(groups),
+        f"{prefix}/groups_resolved_varies": sum(len({s for _, s in g}) > 1 for g in groups) / len(groups),
+    }

@@ -278,6 +278,13 @@ def test_task_groups_under_flaky_sandboxes_and_a_skipped_publication_tripping_th
         assert record["draws"] == [2 * (step - 1), 2 * (step - 1) + 1]  # 6 trials: 2 draws x 3
         fates = record["admitted"] + record["dropped"] + record["cancelled"] + record["failed"]
         assert sorted(fates) == sorted(record["draws"] * 3)
+        # a group: two admitted trials of one draw (one task); its shares then are 0 or 1
+        row = rows[step - 1]
+        grouped = len(record["admitted"]) == 2 and len(set(record["admitted"])) == 1
+        assert row.get("reward/groups", 0.0) == float(grouped)
+        if grouped:
+            assert row["reward/groups_reward_varies"] in (0.0, 1.0)
+            assert row["reward/groups_resolved_varies"] <= row["reward/groups_reward_varies"]
     for row in rows:
         assert 0 <= row["batch/task_baseline_share"] <= 1 and 1 <= row["batch/distinct_tasks"] <= 2
     status = json.loads((run_dir.path / "status.json").read_text())

@@ -50,7 +50,6 @@ def _tiny_demo(tmp_path: Path) -> Path:
         "warmup": {"config": str(DEMO_CONFIGS / "warmup.yaml"), "overrides": TRAIN_OVERRIDES},
         "rl": {"config": str(DEMO_CONFIGS / "rl.yaml"), "overrides": TRAIN_OVERRIDES},
         "eval": {"concurrency": 2, "greedy": False, "sampled_attempts": 1},
-        "variance": {"tasks": 2, "attempts": 2},
         "pipeline": {"parallel": 2},
     }  # fmt: skip
     path = tmp_path / "demo.yaml"
@@ -88,7 +87,6 @@ def test_demo_runs_every_stage_and_resumes(tmp_path):
         "demonstrations",
         "sft",
         "heldout unseen",
-        "sft reward variance",
         "warmup",
         "rl",
         "eval base sampled",
@@ -106,8 +104,10 @@ def test_demo_runs_every_stage_and_resumes(tmp_path):
     assert rl["harness"]["prompt_profile"] == "compact"  # the prompt SFT trained on
     assert (out / "summary.md").read_text().startswith("| checkpoint |")
     assert summary["plots"] and all(Path(p).is_file() for p in summary["plots"])
+    # the warm-up's one step of 2 rollouts of one task is the reward-variance check
     variance = summary["sft_reward_variance"]
-    assert variance["tasks"] == 2 and variance["attempts_per_task"] == 2
+    assert variance["tasks"] == 1 and variance["attempts_per_task"] == 2
+    assert variance["reward_varies"] in (0.0, 1.0) and variance["resolved_varies"] in (0.0, 1.0)
 
     again = _demo(config, out)
     assert again.returncode == first.returncode, again.stderr[-3000:]
@@ -194,8 +194,8 @@ def test_every_evaluation_runs_under_the_harness_sft_taught_and_a_mismatch_is_re
     demo = Demo(config, base_dir, tmp_path)
     harness = tmp_path / "eval" / "harness.yaml"
     evals = [command for name, command in ((s.name, s.command) for s in demo.stages())
-             if name.startswith(("eval", "sft reward"))]  # fmt: skip
-    assert len(evals) == 7 and all(c[c.index("--harness") + 1] == str(harness) for c in evals)
+             if name.startswith("eval")]  # fmt: skip
+    assert len(evals) == 6 and all(c[c.index("--harness") + 1] == str(harness) for c in evals)
     written = demo._rl_harness()
     rl = yaml.safe_load((DEMO_CONFIGS / "rl.yaml").read_text())["harness"]
     sft = yaml.safe_load((DEMO_CONFIGS / "sft.yaml").read_text())["harness"]
@@ -253,8 +253,8 @@ def test_the_ablation_differs_only_in_reward_warm_up_included(tmp_path):
     demo = Demo(config, base_dir, tmp_path, ablation=True)
     stages = {s.name: s.command for s in demo.stages()}
     assert [n for n in stages if not n.startswith("eval")] == [
-        "tasks", "base", "demonstrations", "sft", "heldout unseen", "sft reward variance", "warmup",
-        "warmup-binary", "rl", "rl-binary"]  # fmt: skip
+        "tasks", "base", "demonstrations", "sft", "heldout unseen", "warmup", "warmup-binary", "rl",
+        "rl-binary"]  # fmt: skip
 
     def extra(name):  # the --set overrides beyond what every campaign gets
         command = stages[name]
@@ -268,33 +268,26 @@ def test_the_ablation_differs_only_in_reward_warm_up_included(tmp_path):
     assert not any("critic_checkpoint" in part for part in stages["warmup-binary"])
 
 
-def test_reward_variance_is_measured_on_train_tasks_as_rl_samples(tmp_path):
-    """The check before RL samples the SFT policy on the train split with the RL run's own
-    sampling (rl.yaml's temperature, no filters), which the critic warm-up shares; the held-out
-    evaluation samples with the paper's protocol (temperature 0.1, top-p 0.95, top-k 20, 3
-    attempts)."""
+def test_the_warm_up_is_the_reward_variance_check_and_evaluations_follow_the_papers_protocol(tmp_path):
+    """The check before RL is the critic warm-up's own rollouts: the SFT policy (actor held) on the
+    train split, sampled with the RL run's sampling (rl.yaml's temperature, no filters), several
+    rollouts of each task; the held-out evaluation samples with the paper's protocol (temperature
+    0.1, top-p 0.95, top-k 20; demo.yaml's attempts)."""
     from t1jax.controller.config import load_run_config
     from t1jax.demo.driver import Demo
 
     config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
     stages = {s.name: s.command for s in Demo(config, base_dir, tmp_path).stages()}
-    names = list(stages)
-    assert names.index("sft") < names.index("sft reward variance") < names.index("warmup")
-    command = stages["sft reward variance"]
+    assert not any("variance" in name for name in stages)
 
     def flag(command, name):
         return command[command.index(name) + 1]
 
-    sampling = load_run_config(DEMO_CONFIGS / "rl.yaml").sampling
-    assert flag(command, "--tasks") == str(tmp_path / "tasks" / "train")
-    assert flag(command, "--checkpoint") == str(tmp_path / "sft" / "checkpoint")
-    assert int(flag(command, "--task-sample")) == config.variance.tasks
-    assert int(flag(command, "--attempts")) == config.variance.attempts
-    assert command.count("--attempts") == 1
-    assert float(flag(command, "--temperature")) == sampling.temperature
-    assert load_run_config(DEMO_CONFIGS / "warmup.yaml").sampling == sampling
-    assert float(flag(command, "--top-p")) == sampling.top_p
-    assert int(flag(command, "--top-k")) == sampling.top_k
+    warmup = load_run_config(DEMO_CONFIGS / "warmup.yaml")
+    assert warmup.sampling == load_run_config(DEMO_CONFIGS / "rl.yaml").sampling
+    assert warmup.schedule.rollouts_per_task > 1 and not warmup.schedule.train_actor
+    assert f"tasks.directory={tmp_path / 'tasks' / 'train'}" in stages["warmup"]
+    assert f"model.actor_checkpoint={tmp_path / 'sft' / 'checkpoint'}" in stages["warmup"]
     held_out = stages["eval sft sampled"]
     assert flag(held_out, "--tasks") == str(tmp_path / "tasks" / "heldout")
     protocol = [float(flag(held_out, "--temperature")), float(flag(held_out, "--top-p")),
@@ -303,9 +296,48 @@ def test_reward_variance_is_measured_on_train_tasks_as_rl_samples(tmp_path):
     assert protocol == [0.1, 0.95, 20, config.eval.sampled_attempts]
 
 
-def test_rl_pool_narrows_what_the_warm_up_the_variance_check_and_rl_draw_from(tmp_path):
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ({"schedule.rollouts_per_task": 1}, "schedule.rollouts_per_task is 1; the warm-up rolls each"),
+        ({"schedule.train_actor": True}, "schedule.train_actor is true; a critic warm-up holds the actor"),
+        ({"sampling.temperature": 0.9}, "sampling .* differs from rl's"),
+    ],
+)
+def test_a_warm_up_that_cannot_measure_the_reward_variance_is_refused(tmp_path, override, needle):
+    """Refused when the Demo is built, before any stage runs, in one line naming the warm-up."""
+    from t1jax.controller.config import ConfigError
+    from t1jax.demo.driver import Demo
+
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    config = dataclasses.replace(config, warmup=dataclasses.replace(config.warmup, overrides=override))
+    with pytest.raises(ConfigError, match=f"warmup.yaml \\(the warm-up of rl\\): {needle}"):
+        Demo(config, base_dir, tmp_path)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_reward_variance_share_sums_the_warm_ups_groups(tmp_path):
+    """Per-step group counts and shares (`group_metrics`) are summed into counts, not averaged:
+    3 groups at 2/3 and 1 group at 0 is 2 of 4 tasks."""
+    from t1jax.demo.driver import Demo
+
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    demo = Demo(config, base_dir, tmp_path)
+    assert demo._reward_variance() is None
+    (tmp_path / "warmup").mkdir()
+    steps = [{"step": 1, "reward/groups": 3.0, "reward/groups_reward_varies": 2 / 3,
+              "reward/groups_resolved_varies": 1 / 3},
+             {"step": 2, "reward/groups": 1.0, "reward/groups_reward_varies": 0.0,
+              "reward/groups_resolved_varies": 0.0}]  # fmt: skip
+    torn = '{"step": 3'  # a line a crash cut
+    (tmp_path / "warmup" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps) + torn)
+    variance = demo._reward_variance()
+    assert variance == {"tasks": 4, "attempts_per_task": 4, "reward_varies": 0.5, "resolved_varies": 0.25}
+
+
+def test_rl_pool_narrows_what_the_warm_up_and_rl_draw_from(tmp_path):
     """`tasks.rl_families_per_category`: one `t1jax tasks subset` stage after the suite; the
-    warm-up, the reward-variance check and every campaign read its train split, while the
+    warm-ups and every campaign read its train split, while the
     demonstrations (and so SFT) keep the whole train split and the evaluations the held-out one.
     The stage's command is run for real on a small suite: what it writes is what they read."""
     from t1jax.demo.driver import Demo
@@ -321,9 +353,7 @@ def test_rl_pool_narrows_what_the_warm_up_the_variance_check_and_rl_draw_from(tm
     assert (
         names.index("tasks") < names.index("rl pool") < names.index("heldout unseen") < names.index("warmup")
     )
-    assert {"rl pool", "heldout unseen"} <= set(stages["warmup"].needs) & set(
-        stages["sft reward variance"].needs
-    )
+    assert {"rl pool", "heldout unseen"} <= set(stages["warmup"].needs)
     pool = tmp_path / "rl-pool" / "train"
 
     def flag(command, name):
@@ -331,7 +361,6 @@ def test_rl_pool_narrows_what_the_warm_up_the_variance_check_and_rl_draw_from(tm
 
     for name in ("warmup", "warmup-binary", "rl", "rl-binary"):
         assert f"tasks.directory={pool}" in stages[name].command
-    assert flag(stages["sft reward variance"].command, "--tasks") == str(pool)
     assert flag(stages["demonstrations"].command, "--tasks") == str(tmp_path / "tasks" / "train")
     assert flag(stages["eval rl greedy"].command, "--tasks") == str(tmp_path / "tasks" / "heldout")
     for name in ("tasks", "rl pool"):
@@ -416,7 +445,6 @@ def test_a_campaign_is_the_rl_stage_plus_its_overrides_warm_up_shared_when_it_ca
         "demonstrations",
         "sft",
         "heldout unseen",
-        "sft reward variance",
         "warmup",
         "warmup-t07",
         "rl",
