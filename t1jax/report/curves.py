@@ -78,6 +78,8 @@ def figures(run: Run) -> dict[str, Any]:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     _curve(ax, run, "reward/mean", "mean reward", "tab:blue")
     _curve(ax, run, "reward/resolved_rate", "resolved rate", "tab:green")
+    # with several rollouts of a task a step: the groups a per-task baseline can learn from
+    _curve(ax, run, "reward/groups_reward_varies", "task groups whose reward varies", "tab:orange")
     ax.set(xlabel="step", ylabel="reward", title="Rollout reward")
     ax.legend(fontsize=8)
     out["reward"] = fig
