@@ -462,11 +462,9 @@ class Controller:
         metrics["rl/staleness"] = float(expected)
         metrics["rl/policy_version"] = float(self.learner.policy_version)
         metrics["rl/batch_policy_version"] = float(samples[0].policy_version)
-        metrics["reward/resolved_rate"] = sum(
-            resolved(t.trajectory.verifier_report) for t in collected.admitted
-        ) / len(collected.admitted)
         outcomes = [(t.task.task_id, t.reward.reward, resolved(t.trajectory.verifier_report))
                     for t in collected.admitted]  # fmt: skip
+        metrics["reward/resolved_rate"] = sum(solved for _, _, solved in outcomes) / len(outcomes)
         metrics.update(group_metrics(outcomes))
         metrics["data/epoch"] = float(batch.draws[0].epoch)
         metrics["data/pool_cursor"] = float(batch.draws[-1].index + 1)

@@ -9,11 +9,11 @@ oversampling cut away (paper §4.4, §9.3, §10). Flat `name -> float` dicts for
   of one oversampling step by category, difficulty and turn count, and for each axis the total
   variation distance between what was launched and what was admitted: the selection bias of §9.3
   as one number per axis per step (0: the tail was cut without favouring anything).
-- `group_metrics(trials)`: with several rollouts of one task in a batch
+- `group_metrics(outcomes)`: with several rollouts of one task in a batch
   (`schedule.rollouts_per_task` > 1), how many such groups there were and the share whose
   rewards, and whose resolved outcomes, differ: a group that scored the same throughout gives a
-  per-task baseline nothing to prefer (the controller passes the admitted trials: what the learner
-  trains on).
+  per-task baseline nothing to prefer (the controller passes the (task, reward, resolved) of the
+  admitted trials: what the learner trains on).
 """
 
 from __future__ import annotations
