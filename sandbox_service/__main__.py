@@ -5,7 +5,8 @@ no logic of its own beyond that wiring.
 
     serve        run the HTTP service (until SIGINT/SIGTERM, which closes every sandbox)
     check-tasks  run each task's reference solution and verifier; say per task which backend ran
-                 it on what image, and which tasks are unsound or skipped, and why
+                 it on what image, and which tasks are unsound or skipped, and why (SIGINT or
+                 SIGTERM: its trials cancelled, its sandboxes reaped, exit 128 + the signal)
     reap         kill every sandbox a backend still has for a run (after a crash)
     leak-check   ask a running service to reclaim and report what a run left behind
     stand-ins    build (or list) the stand-in base images for images no registry serves here
@@ -20,8 +21,10 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -165,6 +168,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class _StopOnSignal:
+    """While entered (in the main thread): the first SIGINT or SIGTERM sets `event` and records
+    `signum`; a second one raises KeyboardInterrupt (stop waiting for the cancellation). A flag,
+    not the default handler's KeyboardInterrupt, because that exception lands in whatever the main
+    thread runs when the signal is handled, a finaliser included, where CPython drops it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum = 0
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt(f"signal {signum} again")
+        self.signum = signum
+        self.event.set()
+
+    def __enter__(self) -> _StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+
 def cmd_check_tasks(args: argparse.Namespace) -> int:
     from sandbox_service.check_tasks import all_sound, check_tasks
     from sandbox_service.tasks import find_task_dirs
@@ -192,16 +224,19 @@ def cmd_check_tasks(args: argparse.Namespace) -> int:
     run_id = args.run_id or f"check-tasks-{os.getpid()}"
     audits = []
     interrupted = False
+    stop = _StopOnSignal()
     try:
-        audits = check_tasks(
-            args.tasks_dir,
-            provider,
-            run_id=run_id,
-            max_workers=args.workers,
-            on_audit=lambda audit: print(audit.line(), flush=True),
-            task_timeout_sec=args.task_timeout,
-            backend_name=name,
-        )
+        with stop:
+            audits = check_tasks(
+                args.tasks_dir,
+                provider,
+                run_id=run_id,
+                max_workers=args.workers,
+                on_audit=lambda audit: print(audit.line(), flush=True),
+                task_timeout_sec=args.task_timeout,
+                backend_name=name,
+                stop=stop.event,
+            )
     except KeyboardInterrupt:
         interrupted = True
         print(
@@ -220,7 +255,7 @@ def cmd_check_tasks(args: argparse.Namespace) -> int:
             if close_backend is not None:
                 close_backend()
     if interrupted:
-        return EXIT_INTERRUPTED
+        return 128 + stop.signum if stop.signum else EXIT_INTERRUPTED
     if args.json is not None:
         args.json.write_text(json.dumps([audit.to_json() for audit in audits], indent=1))
     sound = sum(audit.sound for audit in audits)

@@ -19,9 +19,13 @@ reason: they are neither sound nor unsound here.
 
 Invariants:
 - One `TaskAudit` per task directory found (loaded or not), in path order.
-- Every sandbox it creates is closed, whatever happens; on KeyboardInterrupt it cancels the run's
-  trials (when the provider can, until no worker is left: a worker may start a trial after the
-  first cancellation), waits for its workers, and re-raises.
+- Every sandbox it creates is closed, whatever happens; on KeyboardInterrupt, or once `stop` is
+  set, it cancels the run's trials (when the provider can, until no worker is left: a worker may
+  start a trial after the first cancellation), waits for its workers, and raises
+  KeyboardInterrupt. `stop` is how a signal handler should ask: a KeyboardInterrupt raised by
+  Python's default SIGINT handler lands in whatever the main thread runs at that moment, and one
+  that lands in a finaliser is printed and dropped (CPython "Exception ignored in"); a flag polled
+  by the wait loop cannot be lost.
 - Every audit of a task that ran names the backend and carries its `EnvironmentAudit` and the tail
   of each verifier's output.
 """
@@ -29,6 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -163,6 +168,7 @@ def check_tasks(
     on_audit: Callable[[TaskAudit], None] | None = None,
     task_timeout_sec: float | None = None,
     backend_name: str | None = None,
+    stop: threading.Event | None = None,
 ) -> list[TaskAudit]:
     """Audit every task under `directory` with sandboxes from `provider` (see the module docstring).
 
@@ -199,6 +205,8 @@ def check_tasks(
     try:
         pending = set(futures)
         while pending:
+            if stop is not None and stop.is_set():
+                raise KeyboardInterrupt("stop requested")
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for future in done:
                 audits[futures[future].source_dir] = future.result()
