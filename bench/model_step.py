@@ -10,9 +10,10 @@ one's fastest timed step (the machine is shared; the fastest step is the one lea
 their ratio, and the CPU seconds each spends per step (user + system of its process: less
 sensitive to other load than wall time) and that ratio. Then XLA's memory analysis of our
 compiled step at a long length with each attention kernel (compiled, never run). Options: a
-table of XLA CPU threading settings (`--table`, each in a fresh process since XLA flags are read
-once), and a profile of our step (`--profile T`: the XLA ops that take the time, grouped by the
-JAX operation that emitted them).
+table of XLA CPU settings (`--table`, each in a fresh process since XLA flags are read once:
+threading, LLVM's cheap pipeline, the XNNPACK / YNNPACK / oneDNN library fusions; with the loss,
+which none of them may change), and a profile of our step (`--profile T`: the XLA ops that take
+the time, grouped by the JAX operation that emitted them).
 
     .venv/bin/python bench/model_step.py [--batch 4] [--seqs 256,2048] [--steps 5]
         [--memory-seq 16384] [--table] [--profile 2048]
@@ -39,7 +40,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# XLA CPU settings compared in the table (XLA_FLAGS of a fresh process; single device).
+# XLA CPU settings compared in the table (XLA_FLAGS of a fresh process; single device). On the
+# AMD EPYC 2-core machine (2026-12-05, T = 1024 and 2048, batch 4, 5 steps, each setting twice):
+# the library fusions were within the run-to-run spread of the default (6,800-8,240 tokens/s), and
+# LLVM's cheap pipeline halved the step's speed for 15% less compilation.
 XLA_SETTINGS = {
     "default": "",
     "eigen single-threaded": "--xla_cpu_multi_thread_eigen=false",
@@ -47,6 +51,15 @@ XLA_SETTINGS = {
     "cheap compile (LLVM -O0-ish)": (
         "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     ),
+    "XNNPACK dots": "--xla_cpu_experimental_xnn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+    "XNNPACK dots + eltwise": (
+        "--xla_cpu_experimental_xnn_fusion_type=LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"
+    ),
+    "XNNPACK graph fusion (greedy)": (
+        "--xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY"
+    ),
+    "YNNPACK dots": "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+    "oneDNN": "--xla_cpu_use_onednn=true",
 }
 
 
@@ -268,7 +281,9 @@ def main() -> None:
     parser.add_argument(
         "--memory-seq", type=int, default=16_384, help="length of the memory comparison (0: skip)"
     )
-    parser.add_argument("--table", action="store_true", help="also time XLA CPU threading settings")
+    parser.add_argument(
+        "--table", action="store_true", help="also time XLA CPU settings (threading, compiler, libraries)"
+    )
     parser.add_argument("--profile", type=int, default=0, metavar="T", help="profile our step at length T")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "CHECKPOINT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -326,8 +341,8 @@ def main() -> None:
             for name, ms in profile["top"]:
                 print(f"  {ms:8.1f} ms  {100 * ms / total:5.1f}%  {name}")
         if args.table:
-            print(f"\nXLA CPU threading settings at T = {seqs[0]} (fresh process each, same step):")
-            print(f"{'setting':32s} {'tokens/s':>10s} {'cpu s/step':>10s} {'compile s':>10s}")
+            print(f"\nXLA CPU settings at T = {seqs[0]} (fresh process each, same step):")
+            print(f"{'setting':32s} {'tokens/s':>10s} {'cpu s/step':>10s} {'compile s':>10s}  loss")
             for name, flags in XLA_SETTINGS.items():
                 result = run_child("time", checkpoint, args, flags, seqs[0], args.batch)
                 if "error" in result:
@@ -335,7 +350,7 @@ def main() -> None:
                     continue
                 print(
                     f"{name:32s} {result['tokens_per_s']:10.0f} {result['cpu_seconds']:10.3f} "
-                    f"{result['compile_s']:10.1f}"
+                    f"{result['compile_s']:10.1f}  {result['loss']:.6f}"
                 )
 
 

@@ -346,6 +346,12 @@ def build_steps_policy(call):
     return "The task should be complete now.\n\n" + policies.complete()
 
 
+# Slow (91 s of a 2-worker `make test` on 2 cores, nearly all compiling the learner on this
+# module's 4-device mesh). Its parts are in the default suite: P / S from verifier reports
+# (tests/rl/test_rl_reward.py), a step lowering the losses it followed (tests/rl/test_rl_learner.py),
+# and the controller training on real trials' rewards (tests/controller/test_train.py); this is
+# their composition by hand, kept for `make test-slow`.
+@pytest.mark.slow
 def test_scripted_trials_get_rewards_and_a_well_formed_update(
     tasks, models, rl_config, trainer_mesh, sandboxes, tokenizer
 ):
