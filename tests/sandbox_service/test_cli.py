@@ -138,9 +138,10 @@ def test_debug_shows_the_traceback():
     assert result.returncode != 0 and "Traceback (most recent call last)" in result.stderr
 
 
-def test_check_tasks_ctrl_c_stops_promptly_and_reaps(tmp_path, toolchain_dir):
-    """Ctrl-C while a verifier runs: the command cancels its trials, reaps the run and exits 130
-    within seconds, and no sandbox of the run is left."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_check_tasks_ctrl_c_stops_promptly_and_reaps(tmp_path, toolchain_dir, signum):
+    """Ctrl-C (or SIGTERM) while a verifier runs: the command cancels its trials, reaps the run and
+    exits 128 + the signal within seconds, and no sandbox of the run is left."""
     pool = tmp_path / "pool"
     task = shutil.copytree(REPO / "tests" / "data" / "tasks" / "harbor" / "hello-world", pool / "slow")
     slow_test = "import time\n\n\ndef test_slow():\n    time.sleep(600)\n"
@@ -161,7 +162,7 @@ def test_check_tasks_ctrl_c_stops_promptly_and_reaps(tmp_path, toolchain_dir):
             time.sleep(0.2)
         assert observer.live_sandboxes("ctrl-c"), "the audit never started a sandbox"
         time.sleep(3)  # into the verifier's sleep
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signum)
         started = time.monotonic()
         try:
             _, stderr = process.communicate(timeout=60)
@@ -172,8 +173,8 @@ def test_check_tasks_ctrl_c_stops_promptly_and_reaps(tmp_path, toolchain_dir):
             process.send_signal(signal.SIGABRT)
             _, stderr = process.communicate(timeout=30)
             observer.reap("ctrl-c")
-            pytest.fail(f"check-tasks still running 60 s after SIGINT; its threads:\n{stderr[-8000:]}")
-        assert process.returncode == 130 and time.monotonic() - started < 30, stderr
+            pytest.fail(f"check-tasks still running 60 s after signal {signum}; threads:\n{stderr[-8000:]}")
+        assert process.returncode == 128 + signum and time.monotonic() - started < 30, stderr
         assert "interrupted" in stderr and "Traceback" not in stderr
         assert observer.live_sandboxes("ctrl-c") == []
     finally:
