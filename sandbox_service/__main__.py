@@ -224,9 +224,9 @@ def cmd_check_tasks(args: argparse.Namespace) -> int:
     run_id = args.run_id or f"check-tasks-{os.getpid()}"
     audits = []
     interrupted = False
-    stop = _StopOnSignal()
-    try:
-        with stop:
+    # Through the clean-up too: a first SIGTERM there must not cut the reaping short.
+    with _StopOnSignal() as stop:
+        try:
             audits = check_tasks(
                 args.tasks_dir,
                 provider,
@@ -237,23 +237,22 @@ def cmd_check_tasks(args: argparse.Namespace) -> int:
                 backend_name=name,
                 stop=stop.event,
             )
-    except KeyboardInterrupt:
-        interrupted = True
-        print(
-            "interrupted: cancelling the run's trials and reaping its sandboxes", file=sys.stderr, flush=True
-        )
-    finally:
-        if isinstance(provider, AdmissionController):
-            provider.shutdown()
-        else:
-            provider.close()  # type: ignore[attr-defined]
-        if backend is not None:
-            reap = getattr(backend, "reap", None)
-            if reap is not None:
-                reap(run_id)
-            close_backend = getattr(backend, "close", None)
-            if close_backend is not None:
-                close_backend()
+        except KeyboardInterrupt:
+            interrupted = True
+            message = "interrupted: cancelling the run's trials and reaping its sandboxes"
+            print(message, file=sys.stderr, flush=True)
+        finally:
+            if isinstance(provider, AdmissionController):
+                provider.shutdown()
+            else:
+                provider.close()  # type: ignore[attr-defined]
+            if backend is not None:
+                reap = getattr(backend, "reap", None)
+                if reap is not None:
+                    reap(run_id)
+                close_backend = getattr(backend, "close", None)
+                if close_backend is not None:
+                    close_backend()
     if interrupted:
         return 128 + stop.signum if stop.signum else EXIT_INTERRUPTED
     if args.json is not None:
