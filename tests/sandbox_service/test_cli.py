@@ -192,9 +192,9 @@ def test_check_tasks_stop_flag_survives_a_signal_handled_inside_a_finaliser():
 
     class Finalised:
         def __del__(self):
-            os.kill(os.getpid(), signal.SIGINT)  # handled in this frame, inside the finaliser
-            for _ in range(1000):  # bytecode boundaries, where a Python handler runs
-                pass
+            # raise_signal sends it to this thread and runs the Python handler before it returns:
+            # here, inside the finaliser.
+            signal.raise_signal(signal.SIGINT)
 
     dropped = []
     previous_hook = sys.unraisablehook
@@ -209,9 +209,7 @@ def test_check_tasks_stop_flag_survives_a_signal_handled_inside_a_finaliser():
             Finalised()
             assert stop.event.is_set() and stop.signum == signal.SIGINT
             with pytest.raises(KeyboardInterrupt):
-                os.kill(os.getpid(), signal.SIGTERM)
-                for _ in range(1000):
-                    pass
+                signal.raise_signal(signal.SIGTERM)
         assert dropped == [KeyboardInterrupt]  # nothing more was dropped
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert signal.getsignal(signal.SIGTERM) == previous_term
