@@ -15,7 +15,7 @@ from sandbox_service.backends import create_provider
 from sandbox_service.backends.container import TRANSPORT_GRACE_SEC
 from sandbox_service.backends.podman import LABEL_OWNER, LABEL_RUN, PodmanBackend, PodmanConfig, PodmanEngine
 from sandbox_service.contracts import SkipReason, UnsupportedEnvironment
-from sandbox_service.errors import BackendError
+from sandbox_service.errors import BackendError, SandboxClosed
 from sandbox_service.fidelity import environment_audit
 from sandbox_service.tasks import load_task
 
@@ -165,7 +165,13 @@ def test_disk_use_over_storage_mb_evicts_the_container(tmp_path, toolchain_dir, 
     )
     try:
         sandbox = backend.create(_resources(hello_task, storage_mb=32), run_id="container-disk")
-        assert sandbox.exec("head -c 64M /dev/zero > /app/fill; echo wrote", 60).stdout == "wrote\n"
+        # The watcher may evict the container while the write is still going (a loaded machine
+        # writes 64 MiB slower than the 0.5-s check): then the command's output is cut, or the
+        # exec reports the eviction, instead of "wrote".
+        try:
+            sandbox.exec("head -c 64M /dev/zero > /app/fill; echo wrote", 60)
+        except SandboxClosed as error:
+            assert "evicted" in str(error)
         deadline = time.monotonic() + 30
         while not sandbox._evicted and time.monotonic() < deadline:
             time.sleep(0.2)
