@@ -112,6 +112,8 @@ class Controller:
         self.carried: list = []  # paused trials (partial rollouts), continued by the next rollout
         self._draw_of: dict[str, Any] = {}  # trial id -> the pool draw it plays
         self._relaunch: list = []  # draws a resumed run launches again (their trials died with the process)
+        self._precompiling: threading.Thread | None = None  # the learner compiling during the first rollout
+        self._precompile_sec: float | None = None  # what it took, reported with the next step
 
     # ---- entry point -------------------------------------------------------------------------
 
@@ -261,6 +263,8 @@ class Controller:
             log.info("the run already completed its %d steps", steps)
             return EXIT_OK
         publication = self._publish(step=self.completed_step)
+        if config.trainer.precompile:
+            self._start_precompile()
         pending = self._collect(self.completed_step + 1)
         for step in range(self.completed_step + 1, steps + 1):
             started = time.monotonic()
@@ -427,6 +431,24 @@ class Controller:
 
     # ---- training ----------------------------------------------------------------------------
 
+    def _start_precompile(self) -> None:
+        """Compile the learner's programs in the background while the first rollout is generated:
+        the trainer has nothing else to do until that batch exists (`Learner.precompile`)."""
+        schedule = self.config.schedule
+
+        def work() -> None:
+            try:
+                seconds = self.learner.precompile(train_actor=schedule.train_actor)
+            except Exception as error:  # an optimisation: the first step compiles what is missing
+                log.warning("precompiling the learner's programs failed (%s: %s); the first step "
+                            "compiles them", type(error).__name__, error)  # fmt: skip
+                return
+            self._precompile_sec = sum(seconds.values())
+            log.info("learner programs precompiled in %.1f s (%d)", self._precompile_sec, len(seconds))
+
+        self._precompiling = threading.Thread(target=work, name="t1jax-precompile", daemon=True)
+        self._precompiling.start()
+
     def _train(self, step: int, batch: _Batch) -> dict[str, float]:
         from t1jax.runtime.metrics import group_metrics, rollout_metrics, selection_metrics
         from t1jax.runtime.records import resolved
@@ -447,6 +469,9 @@ class Controller:
         outcomes = [trial.reward for trial in collected.admitted]
         expected = self.split.expected_staleness(self.config.schedule.async_rollouts)
         train_actor = self.config.schedule.train_actor
+        if self._precompiling is not None:  # never alongside a step: it reads the learner's state
+            self._await(self._precompiling.join, "precompile")
+            self._precompiling = None
         self.split.training = True
         try:
             metrics = self._await(
@@ -458,6 +483,8 @@ class Controller:
         finally:
             self.split.training = False
         self.split.train_steps_this_process += 1
+        if self._precompile_sec is not None:
+            metrics["time/precompile_sec"], self._precompile_sec = self._precompile_sec, None
         self.split.last_step_updated_actor = train_actor
         metrics["rl/staleness"] = float(expected)
         metrics["rl/policy_version"] = float(self.learner.policy_version)

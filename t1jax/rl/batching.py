@@ -143,6 +143,19 @@ def build_micro_batches(
     return micro_batches
 
 
+def padding_micro_batch(
+    config: BatchingConfig, length: int, *, routing_shape: tuple[int, int] | None, task_baseline: bool
+) -> TrainBatch:
+    """A micro-batch of `config.rows_per_micro_batch` padding rows of `length`: the shapes, dtypes
+    and optional fields (`routing` when `routing_shape` is given, `task_baseline` when asked) of
+    the micro-batches `build_micro_batches` makes at that length, and no loss token. What the
+    learner compiles its programs for ahead of a real batch (`Learner.precompile`)."""
+    if length not in config.row_length_buckets:
+        raise ValueError(f"row length {length} is not one of the buckets {config.row_length_buckets}")
+    rows = [[] for _ in range(config.rows_per_micro_batch)]
+    return _fill((), rows, length, routing_shape, [] if task_baseline else None)
+
+
 def _common_routing_shape(samples: Sequence[Sample]) -> tuple[int, int] | None:
     with_routing = [s for s in samples if s.routing is not None]
     if not with_routing:

@@ -85,7 +85,7 @@ from t1jax.parallel.plan import (
 from t1jax.parallel.plan import make_mesh as make_plan_mesh
 from t1jax.parallel.rules import ACT_BATCH, ACT_LENGTH, DEFAULT_RULES, resolve_spec, state_shardings
 from t1jax.rl.advantages import gae_advantages, leave_one_out_baselines, normalize_advantages
-from t1jax.rl.batching import TrainBatch, build_micro_batches, split_into_minibatches
+from t1jax.rl.batching import TrainBatch, build_micro_batches, padding_micro_batch, split_into_minibatches
 from t1jax.rl.config import RLConfig
 from t1jax.rl.diagnostics import Moments, explained_variance_from_moments, logprob_gap_sum, masked_moments
 from t1jax.rl.losses import policy_loss, sft_loss, value_loss
@@ -606,14 +606,13 @@ class Learner:
             )
         self._check_routing(micro_batches)
         _require_context_split(self.plan, [mb.input_ids.shape[1] for mb in micro_batches], "row lengths")
+        return PreparedBatch([self._place(mb) for mb in micro_batches], loss_tokens, policy_version)
+
+    def _place(self, micro_batch: TrainBatch) -> TrainBatch:
+        """One host micro-batch on the trainer's devices, its rows over the mesh's batch axes."""
         if self.mesh is None:
-            placed = [jax.device_put(mb) for mb in micro_batches]
-        else:
-            placed = [
-                jax.tree.map(lambda x: jax.device_put(x, self._batch_sharding(x.shape)), mb)
-                for mb in micro_batches
-            ]
-        return PreparedBatch(placed, loss_tokens, policy_version)
+            return jax.device_put(micro_batch)
+        return jax.tree.map(lambda x: jax.device_put(x, self._batch_sharding(x.shape)), micro_batch)
 
     def _check_routing(self, micro_batches: Sequence[TrainBatch]) -> None:
         if self._actor_config is None or not hasattr(self._actor_config, "num_experts"):
@@ -645,6 +644,115 @@ class Learner:
             task_baselines=baselines,
         )
         return self.put(micro_batches, policy_version=versions[0] if versions else None)
+
+    def precompile(
+        self,
+        row_lengths: Iterable[int] | None = None,
+        *,
+        sft: bool = False,
+        train_actor: bool = True,
+        train_critic: bool = True,
+    ) -> dict[str, float]:
+        """Compile, without running anything, the programs a step runs on micro-batches of each
+        row length (default: every `batching.row_length_buckets` entry) and its optimizer
+        updates, so the first step finds them compiled. The controller calls it while its first
+        rollout is being generated (the trainer has nothing else to do then). `sft`: the programs
+        of `sft_step` (SFT samples carry no routing) instead of `step`; `train_actor` /
+        `train_critic` as the steps will be called. Returns seconds per program and length.
+        (Compiling the lengths in parallel threads gained ~7%: tracing holds the GIL.)
+
+        Each program is lowered with exactly what a step passes it: a padding micro-batch of the
+        length placed as `put` places a real one (routing when `ppo.routing_replay` is on and
+        this is not SFT, a task baseline under `advantages.baseline: task`), the current
+        parameters and optimizer state, and the earlier programs' outputs as the shapes,
+        dtypes and shardings those programs return. The step's own call then hits jax's
+        in-memory cache of compiled programs (checked by a test that counts compilations).
+        Not covered, compiled at the first step as before: the batch diagnostics (one program
+        per number and lengths of a step's micro-batches), the advantage reshaping and the
+        per-task baseline's eager glue, all small. A batch whose optional fields differ from the
+        above compiles anew at its first step: a cost, never an error.
+
+        Thread use: it reads the learner's state and must not overlap a step or a restore.
+        """
+        lengths = tuple(self.config.batching.row_length_buckets if row_lengths is None else row_lengths)
+        programs, state, ppo = self._programs, self.state, self.config.ppo
+        replay = ppo.routing_replay and not sft
+        routing_shape = None
+        if replay:
+            experts = getattr(self._actor_config, "num_experts_per_tok", None)
+            if experts is None:  # a dense actor: a step with replay on refuses its batches anyway
+                return {}
+            routing_shape = (self._actor_config.num_hidden_layers, experts)
+        task_baseline = self.config.advantages.baseline == "task"
+        timings: dict[str, float] = {}
+
+        def compile_program(name: str, program, *args) -> Any:
+            """The compiled program's outputs, as the specs the next program is lowered with."""
+            started = time.perf_counter()
+            compiled = program.lower(*args).compile()
+            timings[name] = time.perf_counter() - started
+            # As the real outputs come: without a mesh the batch is placed uncommitted, and so
+            # are the programs' outputs (a spec with a sharding would lower a committed
+            # argument); on a mesh, with the output shardings (not `out_info`'s formats, which
+            # pin a layout the real arrays' avals do not carry).
+            if self.mesh is None:
+                return jax.tree.map(lambda out: jax.ShapeDtypeStruct(out.shape, out.dtype), compiled.out_info)
+            return jax.tree.map(
+                lambda out, sharding: jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sharding),
+                compiled.out_info,
+                compiled.output_shardings,
+            )
+
+        def one_length(length: int) -> tuple[Any, Any]:
+            """This length's programs; the (actor, critic) gradient specs (None: not compiled)."""
+            with self._mesh_context():
+                count = jnp.float32(1.0)  # as `_updates` makes the loss-token count: in the mesh context
+                mb = self._place(
+                    padding_micro_batch(
+                        self.config.batching, length, routing_shape=routing_shape, task_baseline=task_baseline
+                    )
+                )
+                if sft:
+                    _, grads = compile_program(
+                        f"sft_grad/{length}", programs.sft_grad,
+                        state.actor_params, self._actor_rest, mb, count, False,
+                    )  # fmt: skip
+                    return grads, None
+                actor_grads = critic_grads = None
+                old_values = compile_program(
+                    f"values/{length}", programs.values, state.critic_params, self._critic_rest, mb
+                )
+                old_logprobs = compile_program(
+                    f"logprobs/{length}", programs.logprobs, state.actor_params, self._actor_rest, mb, replay
+                )
+                advantages, returns = compile_program(f"gae/{length}", programs.gae, mb, old_values)
+                if train_critic:
+                    _, critic_grads = compile_program(
+                        f"critic_grad/{length}", programs.critic_grad,
+                        state.critic_params, self._critic_rest, mb, old_values, returns, count,
+                    )  # fmt: skip
+                if train_actor:
+                    _, actor_grads = compile_program(
+                        f"actor_grad/{length}", programs.actor_grad,
+                        state.actor_params, self._actor_rest, mb, old_logprobs, advantages, count, replay,
+                    )  # fmt: skip
+                return actor_grads, critic_grads
+
+        specs = [one_length(length) for length in lengths]
+        if not specs:
+            return timings
+        actor_grads, critic_grads = specs[0]  # every length's gradients have the parameters' specs
+        with self._mesh_context():
+            for role, grads, apply, params, master, opt_state in (
+                ("actor", actor_grads, programs.apply_actor,
+                 state.actor_params, state.actor_master, state.actor_opt_state),
+                ("critic", critic_grads, programs.apply_critic,
+                 state.critic_params, state.critic_master, state.critic_opt_state),
+            ):  # fmt: skip
+                if grads is not None:
+                    compile_program(f"accumulate/{role}", programs.accumulate, grads, grads)
+                    compile_program(f"apply/{role}", apply, params, master, opt_state, grads)
+        return timings
 
     # -- building blocks (current parameters, no update) ------------------------------------------
 

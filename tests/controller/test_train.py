@@ -7,6 +7,7 @@ flaky sandbox provider (failures counted, nothing leaked), a publication skipped
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import pytest
 import yaml
 
@@ -106,12 +108,39 @@ def live_sandboxes(tmp_path: Path) -> list[str]:
 def reference_run(tmp_path_factory):
     """An uninterrupted run of the test config (the other tests compare against it)."""
     tmp_path = tmp_path_factory.mktemp("reference")
-    raw = run_config(tmp_path)
+    raw = run_config(tmp_path, **{"trainer.precompile": True})
     run_dir = RunDir(tmp_path / "run")
     config = run_config_from_dict(raw)
     run_dir.create(config.resolved())
-    assert train(config, run_dir, resume=False, base_dir=tmp_path) == 0
+    compiles = _CompileThreads()
+    jax_logger = logging.getLogger("jax")
+    jax_logger.addHandler(compiles)
+    jax.config.update("jax_log_compiles", True)  # the global setting: `jax.log_compiles` is per thread
+    try:
+        assert train(config, run_dir, resume=False, base_dir=tmp_path) == 0
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        jax_logger.removeHandler(compiles)
+    # trainer.precompile: the learner's per-micro-batch programs were compiled while the first
+    # rollout ran (on the fsdp mesh), none at a training step.
+    learner_programs = {"jit(values)", "jit(logprobs)", "jit(gae)", "jit(critic_grad)", "jit(actor_grad)"}
+    threads = {thread for name, thread in compiles.records if name in learner_programs}
+    assert learner_programs <= {name for name, _ in compiles.records} and threads == {"t1jax-precompile"}
     return tmp_path, run_dir.path
+
+
+class _CompileThreads(logging.Handler):
+    """(program, thread) of each XLA compilation while `jax.log_compiles` is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[tuple[str, str]] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.startswith("Finished XLA compilation of "):
+            name = message.removeprefix("Finished XLA compilation of ").split(" in ")[0]
+            self.records.append((name, record.threadName))
 
 
 def test_three_steps_one_ahead_and_everything_a_run_directory_promises(reference_run):
@@ -137,6 +166,7 @@ def test_three_steps_one_ahead_and_everything_a_run_directory_promises(reference
         assert row["tito/drift_in_loss_region"] == 0 and row["publish/bytes"] > 0
         assert row["batch/sampled_token_nll"] > 0 and 0 <= row["batch/unlikely_token_fraction"] <= 1
         assert row["tail/launched"] == LAUNCH and row["tail/admitted"] == ADMIT
+    assert rows[0]["time/precompile_sec"] > 0 and "time/precompile_sec" not in rows[1]
     assert rows[1]["actor/start_version_skew"] > 0  # term (a) of Eq. 24: one real update behind
     assert rows[0]["actor/start_version_skew"] == pytest.approx(0.0, abs=1e-6)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from pathlib import Path
 
 import jax
@@ -695,3 +696,52 @@ def test_bad_batches_are_rejected_before_any_update(models, rl_config, samples):
         learner.step(out_of_range)
     assert int(learner.state.step) == step_before
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(learner.state.actor_params))
+
+
+class _CompileLog(logging.Handler):
+    """The names of the programs XLA compiles while `jax.log_compiles` is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.startswith("Finished XLA compilation of "):
+            self.names.append(message.removeprefix("Finished XLA compilation of ").split(" in ")[0])
+
+
+def test_precompile_leaves_no_micro_batch_program_to_compile_at_the_first_steps(models, rl_config, samples):
+    """After `precompile`, the first RL step and the first SFT step compile none of the programs
+    that run per micro-batch or per update (only the batch diagnostics and eager glue); the
+    per-task baseline and replayed routing, as the demo's RL runs them. A config no other test
+    uses keeps the jitted programs (cached per config) fresh, so nothing was compiled before."""
+    config = dataclasses.replace(
+        rl_config,
+        ppo=dataclasses.replace(rl_config.ppo, clip_eps=0.1234),
+        advantages=dataclasses.replace(rl_config.advantages, baseline="task"),
+    )
+    learner = Learner(*models, config)
+    log = _CompileLog()
+    jax_logger = logging.getLogger("jax")
+    jax_logger.addHandler(log)
+    try:
+        with jax.log_compiles(True):
+            seconds = learner.precompile()
+            seconds.update(learner.precompile(sft=True))
+            compiled_ahead = list(log.names)
+            log.names.clear()
+            metrics = learner.step(samples)
+            learner.sft_step([dataclasses.replace(s, routing=None) for s in samples])  # as SFT data come
+    finally:
+        jax_logger.removeHandler(log)
+    per_batch = ("jit(values)", "jit(logprobs)", "jit(gae)", "jit(critic_grad)", "jit(actor_grad)",
+                 "jit(sft_grad)", "jit(apply)", "jit(<lambda>)")  # fmt: skip
+    programs = ("values", "logprobs", "gae", "critic_grad", "actor_grad", "sft_grad")
+    assert sorted(seconds) == sorted(
+        [f"{name}/{LENGTH}" for name in programs]
+        + [f"{kind}/{role}" for kind in ("accumulate", "apply") for role in ("actor", "critic")]
+    )
+    assert {name for name in compiled_ahead if name in per_batch} == set(per_batch)  # it compiled them
+    assert [name for name in log.names if name in per_batch] == []  # and the steps found them
+    assert np.isfinite(metrics["actor/policy_loss"]) and metrics["critic/num_updates"] >= 1
