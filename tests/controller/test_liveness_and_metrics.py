@@ -61,7 +61,7 @@ def test_probes_wait_for_their_grace_then_report_once():
 
     liveness = Liveness(
         [Probe("sampler", lambda deadline: (_ for _ in ()).throw(TimeoutError("late")))],
-        grace_sec=0.3,
+        grace_sec=1.0,  # far beyond the 0.15 s below, which a loaded machine may stretch
         period_sec=0.05,
         deadline_sec=0.5,
         on_failure=report,
