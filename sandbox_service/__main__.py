@@ -21,16 +21,15 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from sandbox_service.admission import AdmissionConfig, AdmissionController
 from sandbox_service.argparsing import EXIT_BAD_INPUT, OneLineArgumentParser, one_line
 from sandbox_service.contracts import SandboxError, SandboxProvider, TaskLimits
+from sandbox_service.signals import StopOnSignal
 
 DEFAULT_CACHE_DIR = Path(".cache") / "sandbox_service"  # the local backend's default, too
 
@@ -168,35 +167,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-class _StopOnSignal:
-    """While entered (in the main thread): the first SIGINT or SIGTERM sets `event` and records
-    `signum`; a second one raises KeyboardInterrupt (stop waiting for the cancellation). A flag,
-    not the default handler's KeyboardInterrupt, because that exception lands in whatever the main
-    thread runs when the signal is handled, a finaliser included, where CPython drops it."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.signum = 0
-        self._previous: dict[int, object] = {}
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.event.is_set():
-            raise KeyboardInterrupt(f"signal {signum} again")
-        self.signum = signum
-        self.event.set()
-
-    def __enter__(self) -> _StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
-
-
 def cmd_check_tasks(args: argparse.Namespace) -> int:
     from sandbox_service.check_tasks import all_sound, check_tasks
     from sandbox_service.tasks import find_task_dirs
@@ -225,7 +195,7 @@ def cmd_check_tasks(args: argparse.Namespace) -> int:
     audits = []
     interrupted = False
     # Through the clean-up too: a first SIGTERM there must not cut the reaping short.
-    with _StopOnSignal() as stop:
+    with StopOnSignal() as stop:
         try:
             audits = check_tasks(
                 args.tasks_dir,

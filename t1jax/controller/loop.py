@@ -36,13 +36,13 @@ import dataclasses
 import hashlib
 import logging
 import math
-import signal
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from sandbox_service.signals import StopOnSignal
 from t1jax.controller.config import RunConfig, resolve_path
 from t1jax.controller.display import Display, DisplayState
 from t1jax.controller.liveness import ComponentUnresponsive, Liveness, Probe
@@ -123,23 +123,23 @@ class Controller:
             from t1jax.controller.pathways import initialize_pathways
 
             initialize_pathways()
-        previous = self._install_signal_handlers()
         state = DisplayState(run=config.run.name, steps=config.run.steps)
         self.display = Display(state, enabled=config.logging.display)
-        try:
-            with self.display:
-                self._build()
-                return self._loop()
-        except RunInterrupted:
-            self.run_dir.set_status("interrupted", step=self.completed_step)
-            return EXIT_OK
-        except BaseException as error:
-            self.run_dir.set_status("failed", step=self.completed_step, error=status_error(error))
-            raise
-        finally:
-            self._close()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        # SIGINT / SIGTERM set `_stop` (the loop checks it at its safe points); a second one raises.
+        # Through the clean-up too: a first signal there must not cut the checkpoint short.
+        with StopOnSignal(self._stop, on_stop=self._stopping):
+            try:
+                with self.display:
+                    self._build()
+                    return self._loop()
+            except RunInterrupted:
+                self.run_dir.set_status("interrupted", step=self.completed_step)
+                return EXIT_OK
+            except BaseException as error:
+                self.run_dir.set_status("failed", step=self.completed_step, error=status_error(error))
+                raise
+            finally:
+                self._close()
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -581,23 +581,13 @@ class Controller:
 
     # ---- signals and teardown ------------------------------------------------------------------
 
-    def _install_signal_handlers(self) -> dict:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def handler(signum, frame):
-            if self._stop.is_set():  # a second signal: no more waiting
-                raise KeyboardInterrupt()
-            log.warning("signal %d: cancelling trials, checkpointing, then exiting", signum)
-            self._stop.set()
-            scheduler = getattr(self, "scheduler", None)
-            if scheduler is not None:
-                scheduler.cancel_all()
-
-        previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, handler)
-        return previous
+    def _stopping(self, signum: int) -> None:
+        """A first SIGINT / SIGTERM (in a thread of its own, `StopOnSignal`): cancel the running
+        trials now, so a rollout in flight ends while the trainer finishes its step."""
+        log.warning("signal %d: cancelling trials, checkpointing, then exiting", signum)
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            scheduler.cancel_all()
 
     def request_stop(self) -> None:
         """What SIGINT / SIGTERM do (for callers that run the controller in a thread)."""
