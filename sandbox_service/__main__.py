@@ -51,6 +51,8 @@ def _rate(text: str) -> float | None:
 
 
 def add_backend_flags(parser: argparse.ArgumentParser) -> None:
+    from sandbox_service.verifier import DEFAULT_TOOLCHAIN_SUBDIR
+
     group = parser.add_argument_group("backend")
     group.add_argument("--backend", choices=BACKENDS, default="local")
     group.add_argument(
@@ -58,7 +60,7 @@ def add_backend_flags(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="the pinned verifier toolchain (python -m sandbox_service.verifier --setup); "
-        "default: <cache-dir>/verifier-toolchain-v2",
+        f"default: <cache-dir>/{DEFAULT_TOOLCHAIN_SUBDIR}",
     )
     group.add_argument(
         "--cache-dir",

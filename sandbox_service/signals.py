@@ -1,8 +1,8 @@
 """Stopping a long-running command on SIGINT / SIGTERM by a flag, not by an exception.
 
 This module owns `StopOnSignal`, the handler the long-running commands of both packages install
-while they run: `python -m sandbox_service check-tasks` and `t1jax train`'s controller (the lower
-package holds it so that both can).
+while they run: `python -m sandbox_service check-tasks`, `t1jax train`'s controller and `t1jax
+eval` (the lower package holds it so that both can).
 
 Invariants:
 - The first SIGINT or SIGTERM only sets an Event and records which signal it was. A handler runs

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 
@@ -166,16 +167,35 @@ def read_harness_file(path: Path) -> dict:
 
 def evaluate(settings, args: argparse.Namespace) -> int:
     """Build the agent, the sandboxes and the scheduler, run the job, print the table."""
-    import dataclasses
-
+    from sandbox_service.signals import StopOnSignal
     from sandbox_service.tasks import load_dataset
     from t1jax.cli import UsageError
-    from t1jax.eval.job import EvalJob, sample_tasks
-    from t1jax.runtime.scheduler import TrialScheduler
 
     dataset = load_dataset(settings.tasks_dir)
     if not dataset.tasks and not dataset.errors:
         raise UsageError(f"no tasks found under {settings.tasks_dir}")
+    # SIGINT / SIGTERM: the job stops at its next poll, its running trials cancelled and its
+    # sandboxes reclaimed (a second signal stops waiting for that); the finished trials are kept.
+    with StopOnSignal() as stop:
+        try:
+            return _evaluate(settings, args, dataset, stop)
+        except KeyboardInterrupt:
+            if not stop.signum:
+                raise
+            print(
+                f"t1jax eval: stopped by signal {stop.signum}: running trials cancelled, finished ones "
+                "kept (the same command continues the job)",
+                file=sys.stderr,
+            )
+            return 128 + stop.signum
+
+
+def _evaluate(settings, args: argparse.Namespace, dataset, stop) -> int:
+    import dataclasses
+
+    from t1jax.eval.job import EvalJob, sample_tasks
+    from t1jax.runtime.scheduler import TrialScheduler
+
     agent = build_agent(settings, args)
     with agent:
         settings = dataclasses.replace(settings, context_window=agent.context_window)
@@ -197,7 +217,9 @@ def evaluate(settings, args: argparse.Namespace) -> int:
                 assemble=False,
             )
             with scheduler:
-                result = _run_with_display(job, scheduler, agent.tokenizer.decode, quiet=args.no_progress)
+                result = _run_with_display(
+                    job, scheduler, agent.tokenizer.decode, quiet=args.no_progress, stop=stop.event
+                )
     print_table(result, job_dir)
     return 0
 
@@ -327,7 +349,7 @@ class sandbox_provider:
 # ---- display -------------------------------------------------------------------------------------
 
 
-def _run_with_display(job, scheduler, decode, *, quiet: bool):
+def _run_with_display(job, scheduler, decode, *, quiet: bool, stop=None):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -359,7 +381,7 @@ def _run_with_display(job, scheduler, decode, *, quiet: bool):
         def on_poll(running):
             progress.update(bar, status=status(running))
 
-        return job.run(scheduler, decode, on_trial=on_trial, on_poll=on_poll)
+        return job.run(scheduler, decode, on_trial=on_trial, on_poll=on_poll, stop=stop)
 
 
 def print_table(result: dict, job_dir) -> None:

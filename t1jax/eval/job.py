@@ -38,6 +38,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -458,13 +459,19 @@ class EvalJob:
         on_trial: Callable[[dict[str, Any], int, int], None] | None = None,
         poll_sec: float = 0.5,
         on_poll: Callable[[int], None] | None = None,
+        stop: threading.Event | None = None,
     ) -> dict[str, Any]:
+        """Run the trials not yet written (each result.json as its trial finishes), then the
+        aggregate. `stop` (set by a signal handler): raise KeyboardInterrupt at the next poll,
+        after cancelling the running trials; the finished ones are kept for the next run."""
         started = time.time()
         todo, results = self.prepare()
         rollout = scheduler.start(todo) if todo else None
         delivered = 0
         try:
             while rollout is not None and delivered < len(todo):
+                if stop is not None and stop.is_set():
+                    raise KeyboardInterrupt("stop requested")
                 trial = rollout.next(timeout_sec=poll_sec)
                 if trial is None:
                     if on_poll is not None:

@@ -164,22 +164,44 @@ def test_a_model_checkpoint_is_evaluated_through_the_engine(tmp_path, tiny_check
 
 
 @pytest.mark.sandbox
-def test_a_killed_eval_resumes_to_the_same_result(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_eval_resumes_to_the_same_result(tmp_path, stop):
     """SIGKILL the evaluator after a few trials, re-run the same command: it runs only the missing
-    trials, reaps what the killed process left, and writes exactly the uninterrupted result."""
+    trials, reaps what the killed process left, and writes exactly the uninterrupted result.
+    SIGTERM: the evaluator cancels its running trials, reclaims their sandboxes and exits 143,
+    keeping the finished trials; the same command then completes the job alike."""
     args = ["--tasks", str(TASKS), "--agent", "oracle", "--attempts", "3", "--concurrency", "2"]
     args.append("--no-progress")
     reference = run_eval(tmp_path / "reference", *args[2:])
     job = tmp_path / "job"
     command = [sys.executable, "-m", "t1jax.cli", "eval", *args, "--out", str(job)]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 120
     while len(list(job.glob("*/result.json"))) < 4:
         assert process.poll() is None, "the evaluator ended before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    process.send_signal(stop)
+    _, stderr = process.communicate(timeout=60)
+    if stop == signal.SIGTERM:
+        assert process.returncode == 128 + signal.SIGTERM, stderr
+        assert f"stopped by signal {int(signal.SIGTERM)}" in stderr and "Traceback" not in stderr
+        # it reclaimed its own sandboxes: the next run's leak check has nothing to reap
+        import hashlib
+
+        from sandbox_service.__main__ import DEFAULT_CACHE_DIR
+        from sandbox_service.backends.local import LocalBackend
+
+        run_id = "eval-" + hashlib.sha256(str(job.resolve()).encode()).hexdigest()[:12]
+        backend = LocalBackend(cache_dir=REPO / DEFAULT_CACHE_DIR)
+        try:
+            assert backend.live_sandboxes(run_id) == []
+        finally:
+            backend.close()
+    else:
+        assert process.returncode == -signal.SIGKILL
     finished_before = {p.parent.name for p in job.glob("*/result.json")}
     assert 4 <= len(finished_before) < 3 * N_TASKS and not (job / "result.json").exists()
     resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=os.environ)
