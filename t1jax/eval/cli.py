@@ -174,20 +174,22 @@ def evaluate(settings, args: argparse.Namespace) -> int:
     dataset = load_dataset(settings.tasks_dir)
     if not dataset.tasks and not dataset.errors:
         raise UsageError(f"no tasks found under {settings.tasks_dir}")
-    # SIGINT / SIGTERM: the job stops at its next poll, its running trials cancelled and its
-    # sandboxes reclaimed (a second signal stops waiting for that); the finished trials are kept.
-    with StopOnSignal() as stop:
-        try:
-            return _evaluate(settings, args, dataset, stop)
-        except KeyboardInterrupt:
-            if not stop.signum:
-                raise
-            print(
-                f"t1jax eval: stopped by signal {stop.signum}: running trials cancelled, finished ones "
-                "kept (the same command continues the job)",
-                file=sys.stderr,
-            )
-            return 128 + stop.signum
+    # While the trials run, SIGINT / SIGTERM stop the job at its next poll: its running trials
+    # cancelled and their sandboxes reclaimed (a second signal stops waiting for that), the
+    # finished trials kept. Before (loading the model, building the environments) a Ctrl-C
+    # interrupts at once, as it always did.
+    stop = StopOnSignal()
+    try:
+        return _evaluate(settings, args, dataset, stop)
+    except KeyboardInterrupt:
+        if not stop.signum:
+            raise
+        print(
+            f"t1jax eval: stopped by signal {stop.signum}: running trials cancelled, finished ones "
+            "kept (the same command continues the job)",
+            file=sys.stderr,
+        )
+        return 128 + stop.signum
 
 
 def _evaluate(settings, args: argparse.Namespace, dataset, stop) -> int:
@@ -216,7 +218,7 @@ def _evaluate(settings, args: argparse.Namespace, dataset, stop) -> int:
                 concurrency=args.concurrency,
                 assemble=False,
             )
-            with scheduler:
+            with stop, scheduler:  # the scheduler's clean-up, too, under the flag handler
                 result = _run_with_display(
                     job, scheduler, agent.tokenizer.decode, quiet=args.no_progress, stop=stop.event
                 )
