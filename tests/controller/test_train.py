@@ -7,7 +7,6 @@ flaky sandbox provider (failures counted, nothing leaked), a publication skipped
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -16,7 +15,6 @@ import threading
 import time
 from pathlib import Path
 
-import jax
 import pytest
 import yaml
 
@@ -29,6 +27,7 @@ from t1jax.controller.loop import Controller
 from t1jax.controller.rundir import RunDir, read_metrics
 from t1jax.eval.checkpoint import resolve_checkpoint
 from t1jax.rl.learner import StalenessError
+from tests.compile_log import compile_log
 
 pytestmark = pytest.mark.sandbox
 
@@ -112,35 +111,14 @@ def reference_run(tmp_path_factory):
     run_dir = RunDir(tmp_path / "run")
     config = run_config_from_dict(raw)
     run_dir.create(config.resolved())
-    compiles = _CompileThreads()
-    jax_logger = logging.getLogger("jax")
-    jax_logger.addHandler(compiles)
-    jax.config.update("jax_log_compiles", True)  # the global setting: `jax.log_compiles` is per thread
-    try:
+    with compile_log() as compiles:
         assert train(config, run_dir, resume=False, base_dir=tmp_path) == 0
-    finally:
-        jax.config.update("jax_log_compiles", False)
-        jax_logger.removeHandler(compiles)
     # trainer.precompile: the learner's per-micro-batch programs were compiled while the first
     # rollout ran (on the fsdp mesh), none at a training step.
     learner_programs = {"jit(values)", "jit(logprobs)", "jit(gae)", "jit(critic_grad)", "jit(actor_grad)"}
     threads = {thread for name, thread in compiles.records if name in learner_programs}
     assert learner_programs <= {name for name, _ in compiles.records} and threads == {"t1jax-precompile"}
     return tmp_path, run_dir.path
-
-
-class _CompileThreads(logging.Handler):
-    """(program, thread) of each XLA compilation while `jax.log_compiles` is on."""
-
-    def __init__(self):
-        super().__init__()
-        self.records: list[tuple[str, str]] = []
-
-    def emit(self, record):
-        message = record.getMessage()
-        if message.startswith("Finished XLA compilation of "):
-            name = message.removeprefix("Finished XLA compilation of ").split(" in ")[0]
-            self.records.append((name, record.threadName))
 
 
 def test_three_steps_one_ahead_and_everything_a_run_directory_promises(reference_run):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from pathlib import Path
 
 import jax
@@ -31,6 +30,7 @@ from t1jax.rl.learner import Learner, StalenessError, run_critic_warmup, sampled
 from t1jax.rl.losses import policy_loss, sft_loss, value_loss
 from t1jax.rl.reward import RewardConfig, compute_reward
 from t1jax.tito.types import MixedPolicyVersions, Sample
+from tests.compile_log import compile_log
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS, LENGTH = 4, 32
@@ -698,19 +698,6 @@ def test_bad_batches_are_rejected_before_any_update(models, rl_config, samples):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(learner.state.actor_params))
 
 
-class _CompileLog(logging.Handler):
-    """The names of the programs XLA compiles while `jax.log_compiles` is on."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def emit(self, record):
-        message = record.getMessage()
-        if message.startswith("Finished XLA compilation of "):
-            self.names.append(message.removeprefix("Finished XLA compilation of ").split(" in ")[0])
-
-
 def test_precompile_leaves_no_micro_batch_program_to_compile_at_the_first_steps(models, rl_config, samples):
     """After `precompile`, the first RL step and the first SFT step compile none of the programs
     that run per micro-batch or per update (only the batch diagnostics and eager glue); the
@@ -722,19 +709,13 @@ def test_precompile_leaves_no_micro_batch_program_to_compile_at_the_first_steps(
         advantages=dataclasses.replace(rl_config.advantages, baseline="task"),
     )
     learner = Learner(*models, config)
-    log = _CompileLog()
-    jax_logger = logging.getLogger("jax")
-    jax_logger.addHandler(log)
-    try:
-        with jax.log_compiles(True):
-            seconds = learner.precompile()
-            seconds.update(learner.precompile(sft=True))
-            compiled_ahead = list(log.names)
-            log.names.clear()
-            metrics = learner.step(samples)
-            learner.sft_step([dataclasses.replace(s, routing=None) for s in samples])  # as SFT data come
-    finally:
-        jax_logger.removeHandler(log)
+    with compile_log() as log:
+        seconds = learner.precompile()
+        seconds.update(learner.precompile(sft=True))
+        compiled_ahead = log.names
+        log.records.clear()
+        metrics = learner.step(samples)
+        learner.sft_step([dataclasses.replace(s, routing=None) for s in samples])  # as SFT data come
     per_batch = ("jit(values)", "jit(logprobs)", "jit(gae)", "jit(critic_grad)", "jit(actor_grad)",
                  "jit(sft_grad)", "jit(apply)", "jit(<lambda>)")  # fmt: skip
     programs = ("values", "logprobs", "gae", "critic_grad", "actor_grad", "sft_grad")
