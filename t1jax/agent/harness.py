@@ -116,7 +116,7 @@ class HarnessConfig:
     # A trial is generated under one policy version (App. 12.1); a turn served by another version
     # (a publication crossed the trial) ends it with POLICY_VERSION_CHANGED instead of mixing.
     single_policy_version: bool = True
-    prompt_profile: str = "full"  # system prompt + tool schemas: a key of prompts.PROMPT_PROFILES
+    prompt_profile: str = "full"  # system prompt, tool schemas, completion protocol: prompts.PROMPT_PROFILES
 
     def __post_init__(self) -> None:
         positive = (
@@ -369,7 +369,9 @@ class _Trial:
             reply = self._parse(turn)
             observation, done = self._act(reply, confirm_pending)
             if done:
-                return TrialStatus.COMPLETED, "task_complete confirmed"
+                return TrialStatus.COMPLETED, (
+                    "task_complete" if self.profile.confirmation is None else "task_complete confirmed"
+                )
             if self.stats.action_turns >= self.config.max_turns:  # no glue, no summary for nothing
                 return TrialStatus.MAX_TURNS, f"reached max_turns = {self.config.max_turns}"
             confirm_pending = reply.ok and reply.task_complete
@@ -619,9 +621,9 @@ class _Trial:
             responses.append(output.text)
             self.last_output = output.text
         if reply.task_complete:
-            if confirm_pending:
+            if confirm_pending or self.profile.confirmation is None:
                 return Message("user", "task complete"), True
-            responses.append(prompts.CONFIRM_COMPLETION)
+            responses.append(self.profile.confirmation)
         if not responses:  # unreachable: a reply without errors has a command or task_complete
             responses.append("(nothing was run)")
         if reply.warnings:

@@ -3,7 +3,8 @@
 Kept in one place so the prompt is pinned (one version per trial, reproducible) and reviewable.
 `PROMPT_PROFILES` names the system prompt + tool schemas a trial starts with (`HarnessConfig.
 prompt_profile`): `full` (default, Terminus-style, ~1100 tokens of the project BPE) and `compact`
-(~40 tokens: no tool schemas, for tiny models trained from scratch on short contexts).
+(~40 tokens: no tool schemas, for tiny models trained from scratch on short contexts), and
+`compact-once`: compact, and the first `task_complete` ends the trial (no confirmation round).
 """
 
 from __future__ import annotations
@@ -74,21 +75,34 @@ COMPACT_SYSTEM_PROMPT = (
     "Solve the task in the bash shell. Each reply: a short note, then one shell tool call. "
     "When done, call task_complete, then call it again to confirm."
 )
+# The same without the confirmation round. Terminus-2 asks a model that declares completion to
+# confirm it, so that a premature declaration can be taken back; a tiny model that learns the
+# protocol from demonstrations confirms by reflex (99.0% of 1,039 requests in an RL run), and the
+# round cost it ~112 of a demonstration's ~613 tokens (the request alone is 86 tokens of the
+# project BPE) and one of its ~4.8 sampler calls.
+COMPACT_ONCE_SYSTEM_PROMPT = (
+    "Solve the task in the bash shell. Each reply: a short note, then one shell tool call. "
+    "When done, call task_complete."
+)
 
 
 @dataclass(frozen=True)
 class PromptProfile:
     """The system prompt and the tool schemas the chat template renders into the system turn
-    (no schemas: the system turn is the prompt alone). The parser accepts the same calls
-    whichever profile a trial uses."""
+    (no schemas: the system turn is the prompt alone), and the completion protocol: with a
+    `confirmation` text, a `task_complete` is answered by it and only a second one in the next
+    reply ends the trial; with None the first one ends it. The parser accepts the same calls
+    whichever profile a trial uses; the system prompt must describe the profile's protocol."""
 
     system_prompt: str
     tools: tuple[ToolSpec, ...]
+    confirmation: str | None = CONFIRM_COMPLETION
 
 
 PROMPT_PROFILES = {
     "full": PromptProfile(SYSTEM_PROMPT, TOOLS),
     "compact": PromptProfile(COMPACT_SYSTEM_PROMPT, ()),
+    "compact-once": PromptProfile(COMPACT_ONCE_SYSTEM_PROMPT, (), confirmation=None),
 }
 
 

@@ -169,7 +169,7 @@ class HarnessSection:
     agent_timeout_sec: float | None = None
     terminal: str = "tmux"
     sampler_timeout_sec: float = 900.0
-    prompt_profile: str = "full"  # system prompt + tool schemas (t1jax.agent.prompts.PROMPT_PROFILES)
+    prompt_profile: str = "full"  # system prompt, tool schemas, completion protocol (prompts.PROMPT_PROFILES)
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     harness.add_argument("--terminal", choices=("tmux", "exec"), default=None, help="default tmux")
     harness.add_argument(
         "--prompt-profile", default=None,
-        help="system prompt: full (default) | compact (the one the model learnt)",
+        help="system prompt and completion protocol: full (default) | compact | compact-once "
+        "(t1jax.agent.prompts.PROMPT_PROFILES; the one the model learnt)",
     )  # fmt: skip
     model = parser.add_argument_group("model")
     model.add_argument(

@@ -126,6 +126,27 @@ def test_task_complete_needs_two_consecutive_calls(sandbox_for):
     assert "Are you sure" in TOK.decode(trajectory.turns[1].prompt_ids[trajectory.turns[1].glue_start :])
 
 
+def test_a_profile_without_confirmation_ends_at_the_first_task_complete(sandbox_for):
+    task, sandbox = sandbox_for()
+    once = dataclasses.replace(SMALL, prompt_profile="compact-once")
+    replies = iter(
+        [policies.shell("echo hi > hi.txt"), "Done.\n\n" + policies.complete(), policies.shell("rm hi.txt")]
+    )
+    trajectory, _ = run(task, sandbox, lambda call: next(replies), config=once)
+    assert trajectory.status is TrialStatus.COMPLETED, trajectory.detail
+    assert trajectory.stats.action_turns == 2 and trajectory.stats.commands_run == 1
+    text = TOK.decode(trajectory.turns[-1].full_ids)
+    assert "Are you sure" not in text and "When done, call task_complete." in text
+    assert text.endswith("</tool_call><|im_end|>")  # the trajectory ends with the declaration itself
+    assert (sandbox.workdir / "hi.txt").exists()
+    # A command in the declaring reply still runs before the trial ends.
+    task, sandbox = sandbox_for()
+    replies = iter(["Last step.\n\n" + policies.shell("echo x > x.txt") + "\n" + policies.complete()])
+    trajectory, _ = run(task, sandbox, lambda call: next(replies), config=once)
+    assert trajectory.status is TrialStatus.COMPLETED and trajectory.stats.action_turns == 1
+    assert trajectory.stats.commands_run == 1 and (sandbox.workdir / "x.txt").exists()
+
+
 def test_garbage_never_crashes_and_runs_nothing(sandbox_for):
     task, sandbox = sandbox_for()
     config = dataclasses.replace(SMALL, max_turns=8)

@@ -101,7 +101,7 @@ def test_demo_runs_every_stage_and_resumes(tmp_path):
     assert warmup["schedule"]["train_actor"] is False and rl["schedule"]["train_actor"] is True
     assert rl["model"]["critic_checkpoint"] == str(out / "warmup")
     assert rl["model"]["actor_checkpoint"] == str(out / "sft" / "checkpoint")
-    assert rl["harness"]["prompt_profile"] == "compact"  # the prompt SFT trained on
+    assert rl["harness"]["prompt_profile"] == "compact-once"  # the prompt SFT trained on
     assert (out / "summary.md").read_text().startswith("| checkpoint |")
     assert summary["plots"] and all(Path(p).is_file() for p in summary["plots"])
     # the warm-up's one step of 2 rollouts of one task is the reward-variance check

@@ -247,7 +247,7 @@ def test_the_harness_comes_from_a_training_config_and_flags_override_it(tmp_path
     assert harness.observation_reserve_tokens == 64 and harness.min_turn_tokens == 64
     assert (
         harness.max_output_bytes == 1000
-        and harness.prompt_profile == "compact"
+        and harness.prompt_profile == "compact-once"
         and harness.terminal == "exec"
     )
     assert harness.context_window == 1024 and not harness.compaction and harness.max_turns == 3  # the flag

@@ -27,6 +27,7 @@ from sandbox_service.tasks import load_task
 from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR, setup_toolchain
 from t1jax.agent.harness import HarnessConfig
 from t1jax.agent.parsing import parse_reply
+from t1jax.agent.prompts import PROMPT_PROFILES
 from t1jax.agent.tokenizer import load_project_tokenizer
 from t1jax.data.suite import SuiteConfig, generate_suite
 from t1jax.sft.demonstrator import CONFIRM_REPLY, DONE_REPLY, script_for
@@ -37,7 +38,7 @@ from t1jax.tito.types import TrialStatus
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = HarnessConfig(
     terminal="exec",
-    prompt_profile="compact",
+    prompt_profile="compact-once",  # the demo's
     max_turns=12,
     max_tokens_per_turn=96,
     context_window=1024,
@@ -158,7 +159,9 @@ def test_demonstrations_run_in_real_sandboxes(suite, toolchain, tmp_path):
     assert not bad.resolved and bad.passed < bad.total
     # The loss tokens are the demonstrator's replies (each closed by <|im_end|>), nothing else.
     plan = json.loads((tmp_path / "clean" / "solution" / "plan.json").read_text())
-    replies = script_for(plan, random.Random(f"0/{clean.task_id}/0")).replies + (DONE_REPLY, CONFIRM_REPLY)
+    confirms = PROMPT_PROFILES[HARNESS.prompt_profile].confirmation is not None
+    ending = (DONE_REPLY, CONFIRM_REPLY) if confirms else (DONE_REPLY,)
+    replies = script_for(plan, random.Random(f"0/{clean.task_id}/0")).replies + ending
     sample = good.samples[0]
     mask = np.asarray(sample.loss_mask, bool)
     starts = np.flatnonzero(mask & ~np.concatenate([[False], mask[:-1]]))
