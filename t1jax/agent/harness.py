@@ -368,10 +368,9 @@ class _Trial:
                 self._raise_for_abort()
             reply = self._parse(turn)
             observation, done = self._act(reply, confirm_pending)
-            if done:
-                return TrialStatus.COMPLETED, (
-                    "task_complete" if self.profile.confirmation is None else "task_complete confirmed"
-                )
+            if done:  # a confirmation is pending only where the profile asks for one
+                detail = "task_complete confirmed" if confirm_pending else "task_complete"
+                return TrialStatus.COMPLETED, detail
             if self.stats.action_turns >= self.config.max_turns:  # no glue, no summary for nothing
                 return TrialStatus.MAX_TURNS, f"reached max_turns = {self.config.max_turns}"
             confirm_pending = reply.ok and reply.task_complete

@@ -121,7 +121,7 @@ def test_task_complete_needs_two_consecutive_calls(sandbox_for):
     task, sandbox = sandbox_for()
     replies = iter([policies.complete(), policies.shell("ls"), policies.complete(), policies.complete()])
     trajectory, _ = run(task, sandbox, lambda call: next(replies))
-    assert trajectory.status is TrialStatus.COMPLETED
+    assert trajectory.status is TrialStatus.COMPLETED and trajectory.detail == "task_complete confirmed"
     assert trajectory.stats.action_turns == 4
     assert "Are you sure" in TOK.decode(trajectory.turns[1].prompt_ids[trajectory.turns[1].glue_start :])
 
@@ -133,7 +133,7 @@ def test_a_profile_without_confirmation_ends_at_the_first_task_complete(sandbox_
         [policies.shell("echo hi > hi.txt"), "Done.\n\n" + policies.complete(), policies.shell("rm hi.txt")]
     )
     trajectory, _ = run(task, sandbox, lambda call: next(replies), config=once)
-    assert trajectory.status is TrialStatus.COMPLETED, trajectory.detail
+    assert trajectory.status is TrialStatus.COMPLETED and trajectory.detail == "task_complete"
     assert trajectory.stats.action_turns == 2 and trajectory.stats.commands_run == 1
     text = TOK.decode(trajectory.turns[-1].full_ids)
     assert "Are you sure" not in text and "When done, call task_complete." in text
