@@ -122,8 +122,17 @@ class EvalStage:
     top_p: float = 0.95
     top_k: int = 20
     seed: int = 0
+    # The base checkpoint's evaluations on this many of the held-out tasks, spread evenly in
+    # task-id order (`t1jax eval --task-sample`); None: all of them. SFT over base is then judged
+    # on the tasks both evaluated, as every comparison is (`t1jax.eval.compare`).
+    base_task_sample: int | None = None
     # The harness is not set here: every checkpoint is evaluated under the rl stage's run config's
     # (`t1jax eval --harness`), which is the SFT config's (checked), the one the policies learnt.
+
+    def __post_init__(self) -> None:
+        n = self.base_task_sample
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"eval.base_task_sample must be an integer >= 1 or null, got {n!r}")
 
 
 @dataclass(frozen=True)
@@ -459,7 +468,7 @@ class Demo:
         for name, checkpoint in self.checkpoints.items():
             for mode in self.modes:
                 job = self.eval_dir / f"{name}-{mode}"
-                command = self._eval_command(checkpoint, job, mode)
+                command = self._eval_command(name, checkpoint, job, mode)
                 stages.append(Stage(f"eval {name} {mode}", command, job / "result.json", workdir=job,
                                     needs=("tasks", name)))  # fmt: skip
         return stages
@@ -585,10 +594,12 @@ class Demo:
             command += ["--set", f"{key}={json.dumps(value)}"]
         return command
 
-    def _eval_command(self, checkpoint: Path, job: Path, mode: str) -> list[str]:
-        """`t1jax eval` of a checkpoint on the held-out split, greedy or sampled (`EvalStage`)."""
+    def _eval_command(self, name: str, checkpoint: Path, job: Path, mode: str) -> list[str]:
+        """`t1jax eval` of checkpoint `name` on the held-out split, greedy or sampled (`EvalStage`)."""
         e = self.config.eval
         command = self._eval_harness_command(checkpoint, job, self.out / "tasks" / "heldout")
+        if name == "base" and e.base_task_sample is not None:
+            command += ["--task-sample", str(e.base_task_sample)]
         if mode == "greedy":
             return [*command, "--greedy", "--attempts", "1"]
         return [*command, "--attempts", str(e.sampled_attempts), "--temperature", str(e.temperature),
@@ -799,7 +810,8 @@ class Demo:
                 differences = compare_jobs(a, b, families=families)
                 key = f"{better}>{worse} ({mode})"
                 if "resolved" in differences:
-                    verdicts[key] = differences["resolved"].to_json()
+                    resolved = differences["resolved"]
+                    verdicts[key] = {**resolved.to_json(), "tasks": resolved.tasks, "resampled": resolved.resampled}
                 if "tests_passed" in differences:
                     tests_verdicts[key] = differences["tests_passed"].to_json()
         plots = []
@@ -932,10 +944,13 @@ def render_markdown(summary: dict[str, Any]) -> str:
     if summary["verdicts"]:
         resampled = summary.get("resampled", "tasks")
         lines.append(f"Paired 95% bootstrap intervals of the differences, resampling {resampled}:")
+    units = {(v.get("tasks"), v.get("resampled")) for v in summary["verdicts"].values()}
     for name, verdict in summary["verdicts"].items():
         low, high = verdict["ci95"]
         mark = _noise_mark(verdict, not_beyond="NOT beyond the noise")
-        lines.append(f"- {name}: {verdict['difference']:+.3f} [{low:+.3f}, {high:+.3f}] — {mark}")
+        # a comparison on fewer tasks than the others (a checkpoint evaluated on a sample) says so
+        shared = f" on {verdict['tasks']} tasks ({verdict['resampled']})" if len(units) > 1 else ""
+        lines.append(f"- {name}: {verdict['difference']:+.3f} [{low:+.3f}, {high:+.3f}]{shared} — {mark}")
     for name, verdict in summary.get("tests_passed_verdicts", {}).items():
         low, high = verdict["ci95"]
         mark = _noise_mark(verdict, not_beyond="not beyond the noise")

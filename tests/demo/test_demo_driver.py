@@ -136,7 +136,8 @@ def test_a_failed_training_run_is_not_complete(tmp_path):
 
 @pytest.mark.parametrize(
     ("text", "needle"),
-    [("bogus: 1\n", "bogus: unknown section"), ("base: {pretrain_steps: x}\n", "base.pretrain_steps")],
+    [("bogus: 1\n", "bogus: unknown section"), ("base: {pretrain_steps: x}\n", "base.pretrain_steps"),
+     ("eval: {base_task_sample: 0}\n", "eval.base_task_sample must be an integer >= 1 or null")],
 )
 def test_a_bad_demo_config_is_one_line(tmp_path, text, needle):
     config = tmp_path / "demo.yaml"
@@ -685,6 +686,52 @@ def test_the_verdicts_resample_held_out_families_not_tasks(tmp_path):
     # P(k <= 1) = 5.1% put the 2.5% quantile at 1/16; P(k <= 3) = 68% puts the 97.5% one at 4/16.
     assert summary["table"]["sft-greedy"]["ci95"] == [1 / 16, 4 / 16]
     assert "resampling 4 families:" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_base_evaluated_on_a_sample_is_compared_on_the_tasks_both_evaluated(tmp_path):
+    """`eval.base_task_sample`: the base's evaluations (and no other) run `t1jax eval
+    --task-sample N`; SFT over base is then judged on the tasks both evaluated, and the report
+    says on how many, where RL over SFT keeps every held-out task."""
+    from t1jax.demo.driver import Demo
+    from t1jax.eval.job import aggregate
+
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    sample = config.eval.base_task_sample
+    assert sample is not None and sample < config.tasks.heldout_tasks  # the demo's own setting
+    stages = {s.name: s.command for s in Demo(config, base_dir, tmp_path).stages()}
+    for name, command in stages.items():
+        if name.startswith("eval "):
+            sampled = command[command.index("--task-sample") + 1] if "--task-sample" in command else None
+            assert sampled == (str(sample) if name.startswith("eval base ") else None), name
+
+    # 12 held-out tasks in 6 families; the base saw 4 of them (families a, b), resolving none
+    tasks = {f"suite/heldout-{f}-{i:04d}": f for f in "abcdef" for i in range(2)}
+    base_tasks = [t for t in tasks if tasks[t] in "ab"]
+    resolved = {"base": set(), "sft": set(base_tasks[:2]), "rl": set(base_tasks[:2]) | set(list(tasks)[4:8])}
+    (tmp_path / "logs").mkdir()
+    for name, evaluated in (("base", base_tasks), ("sft", list(tasks)), ("rl", list(tasks))):
+        job = tmp_path / "eval" / f"{name}-greedy"
+        trials = []
+        for index, task in enumerate(evaluated):
+            (job / f"trial{index}").mkdir(parents=True)
+            hit = task in resolved[name]
+            trial = {"trial_name": f"trial{index}", "task_id": task, "family": tasks[task], "skipped": False,
+                     "resolved": hit, "error": None, "detail": "", "reward": float(hit), "tests_passed": 1,
+                     "tests_total": 1, "test_count_reward": 0.05, "category": "c", "difficulty": "easy"}  # fmt: skip
+            (job / f"trial{index}" / "result.json").write_text(json.dumps(trial))
+            trials.append(trial)
+        (job / "result.json").write_text(json.dumps(aggregate(trials, [], 1)))
+    summary = Demo(config, base_dir, tmp_path).summarize([], 0.0)
+
+    sft_over_base, rl_over_sft = summary["verdicts"]["sft>base (greedy)"], summary["verdicts"]["rl>sft (greedy)"]
+    assert (sft_over_base["tasks"], sft_over_base["resampled"]) == (4, "2 families")
+    assert sft_over_base["difference"] == pytest.approx(2 / 4)  # on the 4 shared tasks, not 2 / 12
+    assert (rl_over_sft["tasks"], rl_over_sft["resampled"]) == (12, "6 families")
+    assert rl_over_sft["difference"] == pytest.approx(4 / 12)
+    assert summary["table"]["base-greedy"]["n_trials"] == 4 and summary["table"]["sft-greedy"]["n_trials"] == 12
+    report = (tmp_path / "summary.md").read_text()
+    assert "- sft>base (greedy): +0.500 [" in report and "] on 4 tasks (2 families) — " in report
+    assert "] on 12 tasks (6 families) — " in report
 
 
 def test_the_stages_see_as_many_cpu_devices_as_the_training_configs_split(tmp_path, monkeypatch):
