@@ -810,8 +810,9 @@ class Demo:
                 differences = compare_jobs(a, b, families=families)
                 key = f"{better}>{worse} ({mode})"
                 if "resolved" in differences:
-                    resolved = differences["resolved"]
-                    verdicts[key] = {**resolved.to_json(), "tasks": resolved.tasks, "resampled": resolved.resampled}
+                    resolved = differences["resolved"]  # judged on the tasks both evaluated
+                    verdicts[key] = {**resolved.to_json(), "tasks": resolved.tasks,
+                                     "resampled": resolved.resampled}  # fmt: skip
                 if "tests_passed" in differences:
                     tests_verdicts[key] = differences["tests_passed"].to_json()
         plots = []

@@ -715,20 +715,23 @@ def test_the_base_evaluated_on_a_sample_is_compared_on_the_tasks_both_evaluated(
         for index, task in enumerate(evaluated):
             (job / f"trial{index}").mkdir(parents=True)
             hit = task in resolved[name]
-            trial = {"trial_name": f"trial{index}", "task_id": task, "family": tasks[task], "skipped": False,
-                     "resolved": hit, "error": None, "detail": "", "reward": float(hit), "tests_passed": 1,
-                     "tests_total": 1, "test_count_reward": 0.05, "category": "c", "difficulty": "easy"}  # fmt: skip
+            trial = {"trial_name": f"trial{index}", "task_id": task, "family": tasks[task],
+                     "skipped": False, "resolved": hit, "error": None, "detail": "", "reward": float(hit),
+                     "tests_passed": 1, "tests_total": 1, "test_count_reward": 0.05, "category": "c",
+                     "difficulty": "easy"}  # fmt: skip
             (job / f"trial{index}" / "result.json").write_text(json.dumps(trial))
             trials.append(trial)
         (job / "result.json").write_text(json.dumps(aggregate(trials, [], 1)))
     summary = Demo(config, base_dir, tmp_path).summarize([], 0.0)
 
-    sft_over_base, rl_over_sft = summary["verdicts"]["sft>base (greedy)"], summary["verdicts"]["rl>sft (greedy)"]
+    verdicts = summary["verdicts"]
+    sft_over_base, rl_over_sft = verdicts["sft>base (greedy)"], verdicts["rl>sft (greedy)"]
     assert (sft_over_base["tasks"], sft_over_base["resampled"]) == (4, "2 families")
     assert sft_over_base["difference"] == pytest.approx(2 / 4)  # on the 4 shared tasks, not 2 / 12
     assert (rl_over_sft["tasks"], rl_over_sft["resampled"]) == (12, "6 families")
     assert rl_over_sft["difference"] == pytest.approx(4 / 12)
-    assert summary["table"]["base-greedy"]["n_trials"] == 4 and summary["table"]["sft-greedy"]["n_trials"] == 12
+    table = summary["table"]
+    assert table["base-greedy"]["n_trials"] == 4 and table["sft-greedy"]["n_trials"] == 12
     report = (tmp_path / "summary.md").read_text()
     assert "- sft>base (greedy): +0.500 [" in report and "] on 4 tasks (2 families) — " in report
     assert "] on 12 tasks (6 families) — " in report
