@@ -3,6 +3,8 @@ beyond the evaluation's noise? (`t1jax compare`, and the demo's verdicts.)
 
     t1jax compare runs/demo/eval/rl-greedy --against runs/demo/eval/sft-greedy
     t1jax compare JOB_A JOB_B ... --against BASE_JOB --json
+    t1jax compare --pool runs/demo/eval/rl-greedy runs/demo-seed1/eval/rl-greedy \
+                  --against runs/demo/eval/sft-greedy runs/demo-seed1/eval/sft-greedy
 
 A job is a `t1jax eval` job directory (its trials' result.json files). For each job against the
 base, on the tasks both evaluated: the per-task difference of the resolved rate and of the share
@@ -19,6 +21,10 @@ Invariants:
   below 0 (the first job worse beyond the noise); otherwise it is within the noise.
 - The demo's verdicts (`t1jax.demo.driver`) are these comparisons, so `t1jax compare` on the
   demo's evaluation jobs prints the numbers its summary holds.
+- `--pool` (`pool_comparisons`): the k-th job against the k-th base (e.g. one seed's RL against
+  that seed's SFT), every pair's per-task differences in one mean, and the bootstrap resamples
+  families across the pairs: a family's tasks in every pair are one unit, since the same family
+  succeeds or fails together under every seed. Pooling adds evidence per family, never families.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,14 +122,46 @@ def compare_jobs(
     return differences
 
 
+def pool_comparisons(pairs: Sequence[tuple[JobOutcomes, JobOutcomes]]) -> dict[str, Difference]:
+    """Per metric, the mean over every pair's shared tasks of job - base, with the family
+    bootstrap across the pairs (a task names its pair's family; a task of no family is its own
+    unit in its pair). A metric no pair shares a task of is left out."""
+    differences = {}
+    for metric in METRICS:
+        a: dict[str, list[float]] = {}
+        b: dict[str, list[float]] = {}
+        clusters: dict[str, str] = {}
+        for index, (job, base) in enumerate(pairs):
+            shared = set(job.metric(metric)) & set(base.metric(metric))
+            families = {**base.families, **job.families}
+            for task in shared:
+                key = f"{index}:{task}"  # one task under two seeds is two paired outcomes
+                a[key], b[key] = job.metric(metric)[task], base.metric(metric)[task]
+                if task in families:
+                    clusters[key] = families[task]
+        result = paired_difference(a, b, clusters=clusters)
+        if result is None:
+            continue
+        differences[metric] = Difference(
+            metric, result[0], result[1], result[2], len(a), resampled_units(sorted(a), clusters)
+        )
+    return differences
+
+
 # ---- `t1jax compare` ------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("jobs", nargs="+", type=Path, metavar="JOB", help="t1jax eval job directories")
     parser.add_argument(
-        "--against", type=Path, required=True, metavar="BASE", help="the job each JOB is compared with"
-    )
+        "--against", type=Path, nargs="+", required=True, metavar="BASE",
+        help="the job each JOB is compared with (with --pool: one per JOB, in order)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pool", action="store_true",
+        help="one difference over every JOB against its own BASE (the k-th against the k-th, e.g. one "
+        "per seed), resampling families across them",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout instead of a table")
 
 
@@ -141,13 +179,18 @@ def _load(job_dir: Path) -> JobOutcomes:
 def run(args: argparse.Namespace) -> int:
     from t1jax.cli import UsageError
 
-    base = _load(args.against)
+    if args.pool:
+        return _run_pooled(args)
+    if len(args.against) != 1:
+        raise UsageError(f"--against takes one job ({len(args.against)} given); several only with --pool")
+    [against] = args.against
+    base = _load(against)
     rows = []
     for job_dir in args.jobs:
         job = _load(job_dir)
         differences = compare_jobs(job, base)
         if "resolved" not in differences:
-            raise UsageError(f"{job_dir} and {args.against} share no evaluated task")
+            raise UsageError(f"{job_dir} and {against} share no evaluated task")
         rows.append((job, differences))
     if args.json:
         report = {
@@ -167,6 +210,34 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     _print_table(base, rows)
+    return 0
+
+
+def _run_pooled(args: argparse.Namespace) -> int:
+    from t1jax.cli import UsageError
+
+    if len(args.jobs) != len(args.against) or len(args.jobs) < 2:
+        raise UsageError(f"--pool pairs the k-th JOB with the k-th BASE: give as many of each, at least 2 "
+                         f"({len(args.jobs)} jobs, {len(args.against)} bases)")  # fmt: skip
+    pairs = [(_load(job), _load(base)) for job, base in zip(args.jobs, args.against, strict=True)]
+    for job, base in pairs:
+        if not set(job.resolved) & set(base.resolved):
+            raise UsageError(f"{job.path} and {base.path} share no evaluated task")
+    differences = pool_comparisons(pairs)
+    if args.json:
+        report = {
+            "pairs": [{"job": str(job.path), "against": str(base.path)} for job, base in pairs],
+            "tasks": differences["resolved"].tasks,
+            "resampled": differences["resolved"].resampled,
+            "differences": {m: {**d.to_json(), "verdict": d.verdict} for m, d in differences.items()},
+        }
+        json.dump(report, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    resolved = differences["resolved"]
+    print(f"pooled over {len(pairs)} pairs, {resolved.tasks} paired tasks, resampling {resolved.resampled}:")
+    for metric, d in differences.items():
+        print(f"  {metric}: {d.difference:+.3f} [{d.low:+.3f}, {d.high:+.3f}] {d.verdict}")
     return 0
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from t1jax.cli import main
-from t1jax.eval.compare import JobOutcomes, compare_jobs
+from t1jax.eval.compare import JobOutcomes, compare_jobs, pool_comparisons
 
 REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "tests" / "data" / "tasks"
@@ -92,8 +92,81 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys):
         "no such job directory": ["compare", str(job), "--against", str(tmp_path / "missing")],
         "no trial results": ["compare", str(tmp_path / "empty"), "--against", str(job)],
         "share no evaluated task": ["compare", str(other), "--against", str(job)],
-    }
+        "--against takes one job (2 given)": ["compare", str(job), "--against", str(job), str(other)],
+        "give as many of each, at least 2 (1 jobs, 2 bases)": ["compare", "--pool", str(job), "--against",
+                                                               str(job), str(other)],
+        "--pool pairs the k-th JOB": ["compare", "--pool", str(job), "--against", str(job)],
+        "share no evaluated task ": ["compare", "--pool", str(job), str(other), "--against", str(job),
+                                     str(job)],
+    }  # fmt: skip
     for message, argv in cases.items():
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
-        assert message in err and "\n" not in err and "Traceback" not in err
+        assert message.strip() in err and "\n" not in err and "Traceback" not in err
+
+
+def write_family_trials(job: Path, resolved: dict[str, int], families: dict[str, str]) -> JobOutcomes:
+    """A job of one trial per task, each naming its family (as `t1jax eval` records it)."""
+    for index, (task, hit) in enumerate(resolved.items()):
+        trial = job / f"t{index}"
+        trial.mkdir(parents=True)
+        (trial / "result.json").write_text(json.dumps(
+            {"task_id": task, "family": families[task], "skipped": False, "resolved": hit,
+             "tests_passed": hit, "tests_total": 1}))  # fmt: skip
+    return JobOutcomes(job)
+
+
+def test_pooling_pairs_each_job_with_its_own_base_and_resamples_families_across_pairs(tmp_path):
+    """By hand: under seed 0, RL - SFT is +1 on task a and 0 on b; under seed 1, +1 on both: the
+    pooled mean is 3/4 over 4 paired tasks, and a's two outcomes are one family, b's another."""
+    families = {"a": "f", "b": "g"}
+    pairs = [
+        (write_family_trials(tmp_path / "rl0", {"a": 1, "b": 0}, families),
+         write_family_trials(tmp_path / "sft0", {"a": 0, "b": 0}, families)),
+        (write_family_trials(tmp_path / "rl1", {"a": 1, "b": 1}, families),
+         write_family_trials(tmp_path / "sft1", {"a": 0, "b": 0}, families)),
+    ]  # fmt: skip
+    resolved = pool_comparisons(pairs)["resolved"]
+    assert resolved.difference == pytest.approx(3 / 4)
+    assert (resolved.tasks, resolved.resampled) == (4, "2 families")
+
+
+def test_pooled_seeds_add_evidence_per_family_not_families(tmp_path):
+    """RL resolves the one task of family a that SFT fails, under each of 10 seeds; families b, c, d
+    do not move. Counting each seed's a as a unit of its own (40 units, 10 of them a) would call
+    that beyond the noise (no a among 40 draws: p = 0.75^40 < 0.01%), but it is one family of four
+    (no a among 4 draws: p = 32%), so the interval reaches 0; and it is +1 beyond the noise when
+    every family moves."""
+    families = {task: task for task in "abcd"}
+    one_family = [
+        (write_family_trials(tmp_path / f"rl{seed}", {"a": 1, "b": 0, "c": 0, "d": 0}, families),
+         write_family_trials(tmp_path / f"sft{seed}", dict.fromkeys("abcd", 0), families))
+        for seed in range(10)
+    ]  # fmt: skip
+    resolved = pool_comparisons(one_family)["resolved"]
+    assert resolved.difference == pytest.approx(1 / 4) and resolved.low == 0.0 and not resolved.beyond_noise
+    assert (resolved.tasks, resolved.resampled) == (40, "4 families")
+
+    every_family = [
+        (write_family_trials(tmp_path / f"all{seed}", dict.fromkeys("abcd", 1), families), sft)
+        for seed, (_, sft) in enumerate(one_family[:2])
+    ]
+    resolved = pool_comparisons(every_family)["resolved"]
+    assert (resolved.difference, resolved.low, resolved.high) == (1.0, 1.0, 1.0) and resolved.beyond_noise
+
+
+def test_pool_on_the_command_line(tmp_path, capsys):
+    families = {"a": "f", "b": "g"}
+    rl = [write_family_trials(tmp_path / f"rl{s}", {"a": 1, "b": 1}, families).path for s in range(2)]
+    sft = [write_family_trials(tmp_path / f"sft{s}", {"a": 0, "b": 0}, families).path for s in range(2)]
+    assert main(["compare", "--pool", *map(str, rl), "--against", *map(str, sft), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [p["against"] for p in report["pairs"]] == [str(p) for p in sft]
+    assert (report["tasks"], report["resampled"]) == (4, "2 families")
+    assert report["differences"]["resolved"] == {
+        "difference": 1.0, "ci95": [1.0, 1.0], "beyond_noise": True, "verdict": "beyond the noise"
+    }  # fmt: skip
+    assert main(["compare", "--pool", *map(str, rl), "--against", *map(str, sft)]) == 0
+    printed = capsys.readouterr().out
+    assert "pooled over 2 pairs, 4 paired tasks, resampling 2 families:" in printed
+    assert "resolved: +1.000 [+1.000, +1.000] beyond the noise" in printed
