@@ -108,37 +108,28 @@ def compare_jobs(
     """Per metric, job - base on the tasks both evaluated (a metric without a shared task is left
     out). A task's outcome is the mean over its trials, so the jobs may differ in attempts per
     task. `families` defaults to the union of the two jobs' (they ran one split)."""
-    clusters = {**base.families, **job.families} if families is None else dict(families)
-    differences = {}
-    for metric in METRICS:
-        a, b = job.metric(metric), base.metric(metric)
-        result = paired_difference(a, b, clusters=clusters)
-        if result is None:
-            continue
-        shared = sorted(set(a) & set(b))
-        differences[metric] = Difference(
-            metric, result[0], result[1], result[2], len(shared), resampled_units(shared, clusters)
-        )
-    return differences
+    return pool_comparisons([(job, base)], families=families)
 
 
-def pool_comparisons(pairs: Sequence[tuple[JobOutcomes, JobOutcomes]]) -> dict[str, Difference]:
-    """Per metric, the mean over every pair's shared tasks of job - base, with the family
-    bootstrap across the pairs (a task names its pair's family; a task of no family is its own
-    unit in its pair). A metric no pair shares a task of is left out."""
+def pool_comparisons(
+    pairs: Sequence[tuple[JobOutcomes, JobOutcomes]], *, families: Mapping[str, str] | None = None
+) -> dict[str, Difference]:
+    """Per metric, the mean over every (job, base) pair's shared tasks of job - base, with the
+    family bootstrap across the pairs: a task is its family's in every pair (`families`, default
+    each pair's union of the two jobs'), a task of no family its own unit in its pair. A metric no
+    pair shares a task of is left out. One pair is `compare_jobs`."""
     differences = {}
     for metric in METRICS:
         a: dict[str, list[float]] = {}
         b: dict[str, list[float]] = {}
         clusters: dict[str, str] = {}
         for index, (job, base) in enumerate(pairs):
-            shared = set(job.metric(metric)) & set(base.metric(metric))
-            families = {**base.families, **job.families}
-            for task in shared:
+            named = {**base.families, **job.families} if families is None else families
+            for task in set(job.metric(metric)) & set(base.metric(metric)):
                 key = f"{index}:{task}"  # one task under two seeds is two paired outcomes
                 a[key], b[key] = job.metric(metric)[task], base.metric(metric)[task]
-                if task in families:
-                    clusters[key] = families[task]
+                if task in named:
+                    clusters[key] = named[task]
         result = paired_difference(a, b, clusters=clusters)
         if result is None:
             continue
