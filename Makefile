@@ -57,6 +57,8 @@ test:
 # from the same SFT and warm-up (it reuses DEMO_OUT's stages).
 DEMO_OUT ?= runs/demo
 # DEMO_SEED is added to every training / eval seed, not the suite's: make demo DEMO_SEED=1 DEMO_OUT=runs/demo-seed1
+# (then RL over SFT over both seeds: t1jax compare --pool A/eval/rl-greedy B/eval/rl-greedy --against
+# A/eval/sft-greedy B/eval/sft-greedy)
 DEMO_SEED ?= 0
 demo:
 	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(DEMO_OUT) --seed $(DEMO_SEED)
