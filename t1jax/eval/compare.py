@@ -118,13 +118,15 @@ def pool_comparisons(
     family bootstrap across the pairs: a task is its family's in every pair (`families`, default
     each pair's union of the two jobs'), a task of no family its own unit in its pair. A metric no
     pair shares a task of is left out. One pair is `compare_jobs`."""
+    named_by_pair = [
+        {**base.families, **job.families} if families is None else families for job, base in pairs
+    ]  # each pair's task -> family, read once for both metrics
     differences = {}
     for metric in METRICS:
         a: dict[str, list[float]] = {}
         b: dict[str, list[float]] = {}
         clusters: dict[str, str] = {}
-        for index, (job, base) in enumerate(pairs):
-            named = {**base.families, **job.families} if families is None else families
+        for index, ((job, base), named) in enumerate(zip(pairs, named_by_pair, strict=True)):
             for task in set(job.metric(metric)) & set(base.metric(metric)):
                 key = f"{index}:{task}"  # one task under two seeds is two paired outcomes
                 a[key], b[key] = job.metric(metric)[task], base.metric(metric)[task]
