@@ -342,6 +342,19 @@ def solve_sh_text(steps: Sequence[Step]) -> str:
     return "#!/bin/bash\nset -euo pipefail\n" + "".join(f"{c}\n" for c in commands)
 
 
+# The task's own verifier command. `--tb=line`: one line per failure (where it failed and the
+# assertion's explanation) instead of pytest's long tracebacks, which list the source of every
+# frame. It changes the log only, never an outcome, and it is ~0.1 of the ~0.45 CPU s a
+# verification costs in a sandbox (interleaved A/B on 40 train tasks, a no-op agent), where a
+# `make demo` verifies ~3,000 trials on 2 cores. Each check is its own test, so its name in the
+# `-rA` summary already says what failed.
+TEST_SCRIPT = (
+    "#!/bin/bash\n"
+    "# Runs the checks with the pytest on PATH, one report entry per test and one line per failure.\n"
+    "pytest /tests/test_outputs.py -rA --tb=line\n"
+)
+
+
 def write_task(task: SuiteTask, directory: Path) -> None:
     directory.mkdir(parents=True)
     (directory / "task.toml").write_text(task_toml_text(task))
@@ -354,10 +367,7 @@ def write_task(task: SuiteTask, directory: Path) -> None:
             _write_env_file(environment, env_file)
     tests = directory / "tests"
     tests.mkdir()
-    (tests / "test.sh").write_text(
-        "#!/bin/bash\n# Runs the checks with the pytest on PATH, one report entry per test.\n"
-        "pytest /tests/test_outputs.py -rA\n"
-    )
+    (tests / "test.sh").write_text(TEST_SCRIPT)
     (tests / "test.sh").chmod(0o755)
     (tests / "test_outputs.py").write_text(test_file_text(task.steps))
     solution = directory / "solution"

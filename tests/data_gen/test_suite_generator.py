@@ -13,6 +13,7 @@ import collections
 import hashlib
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -313,6 +314,12 @@ def test_every_mistake_fails_a_check(backend, tmp_path):
         assert audit.solution is not None and audit.solution.parsed, audit.line()
         assert audit.solution.total == expected[audit.task_id]
         assert audit.solution.passed < audit.solution.total, f"mistake not caught: {audit.line()}"
+        # the task's `--tb=line`: each failed check leaves one `path:line: Exception...` line in
+        # the verifier's log, and no long traceback (its frame separators)
+        failed = audit.solution.total - audit.solution.passed
+        locations = re.findall(r"(?m)^/\S+:\d+: \w", audit.solution.output_tail)
+        assert len(locations) == failed, (audit.line(), audit.solution.output_tail[-2000:])
+        assert "_ _ _ _" not in audit.solution.output_tail
 
 
 @pytest.mark.slow
