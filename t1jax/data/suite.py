@@ -344,10 +344,11 @@ def solve_sh_text(steps: Sequence[Step]) -> str:
 
 # The task's own verifier command. `--tb=line`: one line per failure (where it failed and the
 # assertion's explanation) instead of pytest's long tracebacks, which list the source of every
-# frame. It changes the log only, never an outcome, and it is ~0.1 of the ~0.45 CPU s a
-# verification costs in a sandbox (interleaved A/B on 40 train tasks, a no-op agent), where a
-# `make demo` verifies ~3,000 trials on 2 cores. Each check is its own test, so its name in the
-# `-rA` summary already says what failed.
+# frame. It changes the log only, never an outcome. Those tracebacks cost ~0.02 CPU s per failed
+# check: ~0.1 of the ~0.45 CPU s of a verification where most checks fail (a no-op agent), ~4% of
+# an evaluation's CPU at the trained policy's ~1.3 failed checks a trial (docs/demo-history.md),
+# and a `make demo` verifies ~3,000 trials on 2 cores. Each check is its own test, so its name in
+# the `-rA` summary already says what failed.
 TEST_SCRIPT = (
     "#!/bin/bash\n"
     "# Runs the checks with the pytest on PATH, one report entry per test and one line per failure.\n"
