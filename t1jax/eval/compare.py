@@ -127,9 +127,10 @@ def pool_comparisons(
         b: dict[str, list[float]] = {}
         clusters: dict[str, str] = {}
         for index, ((job, base), named) in enumerate(zip(pairs, named_by_pair, strict=True)):
-            for task in set(job.metric(metric)) & set(base.metric(metric)):
+            job_outcomes, base_outcomes = job.metric(metric), base.metric(metric)
+            for task in job_outcomes.keys() & base_outcomes.keys():
                 key = f"{index}:{task}"  # one task under two seeds is two paired outcomes
-                a[key], b[key] = job.metric(metric)[task], base.metric(metric)[task]
+                a[key], b[key] = job_outcomes[task], base_outcomes[task]
                 if task in named:
                     clusters[key] = named[task]
         result = paired_difference(a, b, clusters=clusters)
