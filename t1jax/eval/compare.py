@@ -5,6 +5,7 @@ beyond the evaluation's noise? (`t1jax compare`, and the demo's verdicts.)
     t1jax compare JOB_A JOB_B ... --against BASE_JOB --json
     t1jax compare --pool runs/demo/eval/rl-greedy runs/demo-seed1/eval/rl-greedy \
                   --against runs/demo/eval/sft-greedy runs/demo-seed1/eval/sft-greedy
+    t1jax compare runs/demo/eval/rl-greedy --against runs/demo/eval/sft-greedy --per-family 1 2 4
 
 A job is a `t1jax eval` job directory (its trials' result.json files). For each job against the
 base, on the tasks both evaluated: the per-task difference of the resolved rate and of the share
@@ -25,12 +26,19 @@ Invariants:
   that seed's SFT), every pair's per-task differences in one mean, and the bootstrap resamples
   families across the pairs: a family's tasks in every pair are one unit, since the same family
   succeeds or fails together under every seed. Pooling adds evidence per family, never families.
+- `--per-family K` (`per_family_subsamples`): the same comparison on at most K tasks of every
+  family, drawn at random (`--draws` draws, seeded): how the interval would narrow or widen had the
+  held-out split been K tasks a family (a question for sizing a suite: a family's tasks succeed or
+  fail together, so past a few a family's extra tasks buy little). A draw's family keeps all its
+  tasks when it has at most K; tasks that name no family are each their own.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import random
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -142,6 +150,65 @@ def pool_comparisons(
     return differences
 
 
+@dataclass(frozen=True)
+class Subsample:
+    """`job - base` of one metric on at most `per_family` tasks of every family, over `draws` draws:
+    the mean difference, the mean half-width of the 95% interval, and how many draws' intervals
+    lay above 0. `tasks` and `families` are one draw's (every draw keeps the same number)."""
+
+    metric: str
+    per_family: int
+    tasks: int
+    families: int
+    difference: float
+    half_width: float
+    beyond: int
+    draws: int
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def per_family_subsamples(
+    job: JobOutcomes,
+    base: JobOutcomes,
+    per_family: int,
+    *,
+    draws: int = 20,
+    seed: int = 0,
+    metric: str = "resolved",
+) -> Subsample | None:
+    """`compare_jobs` on at most `per_family` tasks of every family of the shared tasks, drawn at
+    random `draws` times (one draw when no family has more); None without a shared task."""
+    if per_family < 1 or draws < 1:
+        raise ValueError(f"per_family and draws must be >= 1, got {per_family}, {draws}")
+    a, b = job.metric(metric), base.metric(metric)
+    named = {**base.families, **job.families}
+    by_family: dict[str, list[str]] = {}
+    for task in sorted(a.keys() & b.keys()):
+        by_family.setdefault(named.get(task, f"task:{task}"), []).append(task)
+    if not by_family:
+        return None
+    if all(len(tasks) <= per_family for tasks in by_family.values()):
+        draws = 1  # every draw would keep every task
+    rng = random.Random(seed)
+    results = []
+    for _ in range(draws):
+        chosen = [t for tasks in by_family.values() for t in rng.sample(tasks, min(per_family, len(tasks)))]
+        results.append(paired_difference({t: a[t] for t in chosen}, {t: b[t] for t in chosen},
+                                         clusters=named))  # fmt: skip
+    return Subsample(
+        metric=metric,
+        per_family=per_family,
+        tasks=len(chosen),
+        families=len(by_family),
+        difference=sum(r[0] for r in results) / draws,
+        half_width=sum((r[2] - r[1]) / 2 for r in results) / draws,
+        beyond=sum(r[1] > 0 for r in results),
+        draws=draws,
+    )
+
+
 # ---- `t1jax compare` ------------------------------------------------------------------------------
 
 
@@ -156,6 +223,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one difference over every JOB against its own BASE (the k-th against the k-th, e.g. one "
         "per seed), resampling families across them",
     )  # fmt: skip
+    parser.add_argument(
+        "--per-family", type=int, nargs="+", metavar="K",
+        help="also the comparison on at most K tasks of every family (random draws): how the interval "
+        "depends on tasks per family, for sizing a held-out split; one JOB, not with --pool",
+    )  # fmt: skip
+    parser.add_argument("--draws", type=int, default=20, metavar="N", help="draws per K (default 20)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout instead of a table")
 
 
@@ -173,6 +246,12 @@ def _load(job_dir: Path) -> JobOutcomes:
 def run(args: argparse.Namespace) -> int:
     from t1jax.cli import UsageError
 
+    if args.per_family is not None and (args.pool or len(args.jobs) != 1):
+        raise UsageError("--per-family takes one JOB and one BASE, not --pool")
+    if args.per_family is not None and (min(args.per_family) < 1 or args.draws < 1):
+        raise UsageError(
+            f"--per-family and --draws take integers >= 1, got {args.per_family} and {args.draws}"
+        )
     if args.pool:
         return _run_pooled(args)
     if len(args.against) != 1:
@@ -186,6 +265,11 @@ def run(args: argparse.Namespace) -> int:
         if "resolved" not in differences:
             raise UsageError(f"{job_dir} and {against} share no evaluated task")
         rows.append((job, differences))
+    subsamples = [
+        per_family_subsamples(rows[0][0], base, k, draws=args.draws, metric=m)
+        for k in (args.per_family or ()) for m in METRICS
+    ]  # fmt: skip
+    subsamples = [s for s in subsamples if s is not None]
     if args.json:
         report = {
             "against": {"job": str(base.path), **{m: base.rate(m) for m in METRICS}},
@@ -200,11 +284,22 @@ def run(args: argparse.Namespace) -> int:
                 for job, differences in rows
             ],
         }
+        if args.per_family is not None:
+            report["per_family"] = [s.to_json() for s in subsamples]
         json.dump(report, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
     _print_table(base, rows)
+    _print_subsamples(subsamples)
     return 0
+
+
+def _print_subsamples(subsamples: Sequence[Subsample]) -> None:
+    for s in subsamples:
+        draws = f"{s.draws} draw{'s' * (s.draws != 1)}"
+        print(f"{s.metric}, at most {s.per_family} a family ({s.tasks} tasks, {s.families} families): "
+              f"{s.difference:+.3f} +- {s.half_width:.3f} on average over {draws}, "
+              f"beyond the noise in {s.beyond}")  # fmt: skip
 
 
 def _run_pooled(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from t1jax.cli import main
-from t1jax.eval.compare import JobOutcomes, compare_jobs, pool_comparisons
+from t1jax.eval.compare import JobOutcomes, compare_jobs, per_family_subsamples, pool_comparisons
 
 REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "tests" / "data" / "tasks"
@@ -98,6 +98,14 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys):
         ("--pool pairs the k-th JOB", ["compare", "--pool", str(job), "--against", str(job)]),
         ("share no evaluated task",
          ["compare", "--pool", str(job), str(other), "--against", str(job), str(job)]),
+        ("--per-family takes one JOB and one BASE", ["compare", str(job), str(other), "--against", str(job),
+                                                     "--per-family", "1"]),
+        ("--per-family takes one JOB and one BASE",
+         ["compare", "--pool", str(job), str(other), "--against", str(job), str(job), "--per-family", "1"]),
+        ("--per-family and --draws take integers >= 1", ["compare", str(job), "--against", str(job),
+                                                          "--per-family", "0"]),
+        ("--per-family and --draws take integers >= 1", ["compare", str(job), "--against", str(job),
+                                                          "--per-family", "2", "--draws", "0"]),
     ]  # fmt: skip
     for message, argv in cases:
         assert main(argv) == 2
@@ -170,3 +178,28 @@ def test_pool_on_the_command_line(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "pooled over 2 pairs, 4 paired tasks, resampling 2 families:" in printed
     assert "resolved: +1.000 [+1.000, +1.000] beyond the noise" in printed
+
+
+def test_at_most_k_tasks_a_family(tmp_path, capsys):
+    """By hand: RL - SFT is +1 on both tasks of family f, 0 on both of g and on h's one. At most 1
+    a family every draw keeps one task of each: +1/3 on 3 tasks in each of the 20 draws; at most 2
+    keeps everything, one draw, which is `compare_jobs` to the digit."""
+    families = {"a1": "f", "a2": "f", "b1": "g", "b2": "g", "c": "h"}
+    rl = write_family_trials(tmp_path / "rl", {"a1": 1, "a2": 1, "b1": 0, "b2": 0, "c": 0}, families)
+    sft = write_family_trials(tmp_path / "sft", dict.fromkeys(families, 0), families)
+    one = per_family_subsamples(rl, sft, 1)
+    assert (one.tasks, one.families, one.draws) == (3, 3, 20) and one.difference == pytest.approx(1 / 3)
+    whole = compare_jobs(rl, sft)["resolved"]
+    two = per_family_subsamples(rl, sft, 2, draws=20)
+    assert (two.tasks, two.families, two.draws) == (5, 3, 1) and two.difference == pytest.approx(2 / 5)
+    assert two.half_width == pytest.approx((whole.high - whole.low) / 2)
+    assert two.beyond == int(whole.beyond_noise)
+
+    argv = ["compare", str(rl.path), "--against", str(sft.path), "--per-family"]
+    assert main([*argv, "1", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(r["metric"], r["per_family"], r["tasks"]) for r in report["per_family"]] == [
+        ("resolved", 1, 3), ("tests_passed", 1, 3), ("resolved", 2, 5), ("tests_passed", 2, 5)
+    ]  # fmt: skip
+    assert main([*argv, "1"]) == 0
+    assert "resolved, at most 1 a family (3 tasks, 3 families): +0.333" in capsys.readouterr().out
