@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from t1jax.eval.job import per_task, task_families, trial_results
-from t1jax.eval.passk import paired_difference, resampled_units
+from t1jax.eval.passk import cluster_names, paired_difference, resampled_units
 
 METRICS = ("resolved", "tests_passed")
 
@@ -119,6 +119,11 @@ def compare_jobs(
     return pool_comparisons([(job, base)], families=families)
 
 
+def paired_families(job: JobOutcomes, base: JobOutcomes) -> dict[str, str]:
+    """Task -> family as either job names it (the two ran one split)."""
+    return {**base.families, **job.families}
+
+
 def pool_comparisons(
     pairs: Sequence[tuple[JobOutcomes, JobOutcomes]], *, families: Mapping[str, str] | None = None
 ) -> dict[str, Difference]:
@@ -127,7 +132,7 @@ def pool_comparisons(
     each pair's union of the two jobs'), a task of no family its own unit in its pair. A metric no
     pair shares a task of is left out. One pair is `compare_jobs`."""
     named_by_pair = [
-        {**base.families, **job.families} if families is None else families for job, base in pairs
+        paired_families(job, base) if families is None else families for job, base in pairs
     ]  # each pair's task -> family, read once for both metrics
     differences = {}
     for metric in METRICS:
@@ -183,10 +188,11 @@ def per_family_subsamples(
     if per_family < 1 or draws < 1:
         raise ValueError(f"per_family and draws must be >= 1, got {per_family}, {draws}")
     a, b = job.metric(metric), base.metric(metric)
-    named = {**base.families, **job.families}
+    named = paired_families(job, base)
+    shared = sorted(a.keys() & b.keys())
     by_family: dict[str, list[str]] = {}
-    for task in sorted(a.keys() & b.keys()):
-        by_family.setdefault(named.get(task, f"task:{task}"), []).append(task)
+    for task, cluster in zip(shared, cluster_names(shared, named), strict=True):
+        by_family.setdefault(cluster, []).append(task)
     if not by_family:
         return None
     if all(len(tasks) <= per_family for tasks in by_family.values()):
