@@ -26,7 +26,7 @@ inspection commands, actions and the idiom's mistakes and mistake rate, which th
 (`t1jax.sft.demonstrator`) reads. The agent never sees `solution/`.
 
 Invariants: the output is a pure function of the `SuiteConfig` (n, seed, heldout_fraction,
-heldout_tasks, families_per_category)
+heldout_tasks or heldout_per_family, families_per_category)
 (one `random.Random` per purpose, derived from the seed; files written in a fixed order); task
 ids are unique; no family is in both splits.
 """
@@ -203,13 +203,30 @@ def plan_tasks(
     *,
     heldout_fraction: float = 0.2,
     heldout_tasks: int | None = None,
+    heldout_per_family: int | None = None,
 ) -> list[SuiteTask]:
     """`n` tasks: `heldout_tasks` (by default round(n * heldout_fraction)) held-out, the rest
     train; each split's tasks are spread over categories by `CATEGORY_WEIGHTS` and over a
-    category's families in turn."""
+    category's families in turn. With `heldout_per_family` K instead, every held-out family has
+    exactly K tasks (a category's share of the held-out tasks is its share of the held-out
+    families) and the other n - K x families are train tasks. Each split draws from its own
+    stream: the train tasks depend on their count, never on how the held-out ones are chosen."""
     if n < 2:
         raise ValueError(f"a suite needs at least 2 tasks (one per split), got n = {n}")
-    if heldout_tasks is None:
+    heldout_families = collections.Counter(f.category for f in families if f.split == "heldout")
+    if heldout_per_family is not None:
+        if heldout_tasks is not None:
+            raise ValueError("set heldout_tasks or heldout_per_family, not both")
+        k = heldout_per_family
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"heldout_per_family must be an integer >= 1, got {heldout_per_family!r}")
+        num_heldout = heldout_per_family * sum(heldout_families.values())
+        if num_heldout > n - 1:
+            raise ValueError(
+                f"heldout_per_family {heldout_per_family} x {sum(heldout_families.values())} held-out "
+                f"families = {num_heldout} tasks leaves no train task of n = {n}"
+            )
+    elif heldout_tasks is None:
         num_heldout = min(n - 1, max(1, round(n * heldout_fraction)))
     elif 1 <= heldout_tasks <= n - 1:
         num_heldout = heldout_tasks
@@ -219,7 +236,10 @@ def plan_tasks(
     tasks: list[SuiteTask] = []
     for split in SPLITS:
         rng = _rng(seed, f"tasks/{split}")
-        per_category = _allocate(counts[split], CATEGORY_WEIGHTS)
+        if split == "heldout" and heldout_per_family is not None:
+            per_category = {c: heldout_per_family * heldout_families[c] for c in CATEGORIES}
+        else:
+            per_category = _allocate(counts[split], CATEGORY_WEIGHTS)
         for category in CATEGORIES:
             pool = [f for f in families if f.split == split and f.category == category]
             order = list(pool)
@@ -394,14 +414,17 @@ def _write_env_file(environment: Path, env_file: EnvFile) -> None:
 @dataclass(frozen=True)
 class SuiteConfig:
     """What a suite is a function of. `heldout_fraction` is the share of each category's families
-    held out and, unless `heldout_tasks` is set, the share of tasks: setting both measures
-    transfer over more families for the same evaluation cost (fewer tasks per family)."""
+    held out and, unless `heldout_tasks` or `heldout_per_family` is set, the share of tasks:
+    setting either measures transfer over more families for the same evaluation cost (fewer tasks
+    per family). `heldout_per_family` K: exactly K tasks of every held-out family (at most one of
+    the two)."""
 
     n: int
     seed: int
     heldout_fraction: float = 0.2
     families_per_category: int = 12
     heldout_tasks: int | None = None
+    heldout_per_family: int | None = None
 
 
 def generate_suite(
@@ -425,6 +448,7 @@ def generate_suite(
         config.seed,
         heldout_fraction=config.heldout_fraction,
         heldout_tasks=config.heldout_tasks,
+        heldout_per_family=config.heldout_per_family,
     )
     staging = out.with_name(f".{out.name}.partial")
     if staging.exists():

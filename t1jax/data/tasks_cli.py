@@ -31,10 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--heldout-fraction",
         type=float,
         default=0.2,
-        help="share of each category's families held out (and of tasks, unless --heldout-tasks)",
+        help="share of each category's families held out (and of tasks, unless --heldout-tasks or "
+        "--heldout-per-family)",
     )
     generate.add_argument(
         "--heldout-tasks", type=int, default=None, help="number of held-out tasks (default: the fraction's)"
+    )
+    generate.add_argument(
+        "--heldout-per-family",
+        type=int,
+        default=None,
+        metavar="K",
+        help="exactly K tasks of every held-out family instead (--n still counts both splits)",
     )
     generate.add_argument("--families-per-category", type=int, default=12)
     generate.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -62,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
             heldout_fraction=args.heldout_fraction,
             families_per_category=args.families_per_category,
             heldout_tasks=args.heldout_tasks,
+            heldout_per_family=args.heldout_per_family,
         )
         started = time.monotonic()
 

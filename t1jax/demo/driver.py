@@ -77,13 +77,17 @@ class TasksStage:
     seed: int = 0
     heldout_fraction: float = 0.2
     heldout_tasks: int | None = None
+    heldout_per_family: int | None = None
     families_per_category: int = 12
     rl_families_per_category: int | None = None
 
     def __post_init__(self) -> None:
-        k = self.rl_families_per_category
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"tasks.rl_families_per_category must be an integer >= 1 or null, got {k!r}")
+        for name in ("rl_families_per_category", "heldout_per_family"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+                raise ValueError(f"tasks.{name} must be an integer >= 1 or null, got {k!r}")
+        if self.heldout_tasks is not None and self.heldout_per_family is not None:
+            raise ValueError("tasks: set heldout_tasks or heldout_per_family, not both")
 
 
 @dataclass(frozen=True)
@@ -416,8 +420,9 @@ class Demo:
         c, out = self.config, self.out
         cli = [sys.executable, "-m", "t1jax.cli"]
         tasks = out / "tasks"
-        heldout = c.tasks.heldout_tasks
-        heldout_tasks = [] if heldout is None else ["--heldout-tasks", str(heldout)]
+        heldout_tasks = [flag for flag, value in (("--heldout-tasks", c.tasks.heldout_tasks),
+                                                  ("--heldout-per-family", c.tasks.heldout_per_family))
+                         if value is not None for flag in (flag, str(value))]  # fmt: skip
         stages = [
             Stage("tasks", [*cli, "tasks", "generate", "--out", str(tasks), "--n", str(c.tasks.n),
                             "--seed", str(c.tasks.seed), "--heldout-fraction", str(c.tasks.heldout_fraction),

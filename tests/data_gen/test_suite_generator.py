@@ -125,6 +125,31 @@ def test_heldout_tasks_sets_the_count_apart_from_the_family_share():
             plan_tasks(families, 1260, 0, heldout_tasks=bad)
 
 
+def test_heldout_per_family_takes_k_tasks_of_every_family_and_leaves_the_train_tasks_alone():
+    """The demo's split since 2026-12-06: one task of every held-out family. The train tasks are
+    the very ones a suite with the same number of train tasks and any other held-out choice has
+    (each split draws from its own stream), so a finished run's SFT and RL stand unchanged."""
+    families = make_families(3, families_per_category=10, heldout_fraction=0.4)
+    heldout_families = sorted(f.family_id for f in families if f.split == "heldout")
+    assert 16 <= len(heldout_families) <= 32  # up to 4 of 10 a category, as idiom coverage allows
+    for k in (1, 2):
+        tasks = plan_tasks(families, 300, 3, heldout_per_family=k)
+        heldout = collections.Counter(t.family.family_id for t in tasks if t.family.split == "heldout")
+        assert sorted(heldout) == heldout_families and set(heldout.values()) == {k}
+        assert len(tasks) == 300
+        train = [t for t in tasks if t.family.split == "train"]
+        same_count = plan_tasks(families, 300, 3, heldout_tasks=300 - len(train))
+        assert train == [t for t in same_count if t.family.split == "train"]
+    for kwargs, message in (
+        ({"heldout_per_family": 1, "heldout_tasks": 30}, "not both"),
+        ({"heldout_per_family": 0}, "heldout_per_family must be an integer >= 1"),
+        ({"heldout_per_family": True}, "heldout_per_family must be an integer >= 1"),
+        ({"heldout_per_family": 11}, "tasks leaves no train task of n = 300"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            plan_tasks(families, 300, 3, **kwargs)
+
+
 def test_category_mix_follows_the_paper_pool(suite):
     _, manifest = suite
     counts = collections.Counter(t["category"] for t in manifest["tasks"])
@@ -183,6 +208,11 @@ def test_cli_writes_a_suite_and_refuses_bad_input(tmp_path):
     assert fraction.returncode == 2 and "heldout_fraction" in fraction.stderr
     count = cli("--out", str(tmp_path / "v"), "--n", "10", "--heldout-tasks", "10")
     assert count.returncode == 2 and "heldout_tasks" in count.stderr and not (tmp_path / "v").exists()
+    per_family = cli("--out", str(tmp_path / "w"), "--n", "30", "--heldout-per-family", "0")
+    assert per_family.returncode == 2 and not (tmp_path / "w").exists()
+    assert per_family.stderr.strip().splitlines() == [
+        "t1jax tasks generate: heldout_per_family must be an integer >= 1, got 0"
+    ]
 
 
 def test_a_narrower_pool_caps_each_category_and_covers_what_the_cap_allows(suite):

@@ -162,8 +162,10 @@ def test_a_second_seed_moves_every_training_and_eval_seed_but_not_the_suites(tmp
     suite = config.tasks
     for name, value in (("--n", suite.n), ("--heldout-fraction", suite.heldout_fraction),
                         ("--heldout-tasks", suite.heldout_tasks),
+                        ("--heldout-per-family", suite.heldout_per_family),
                         ("--families-per-category", suite.families_per_category)):  # fmt: skip
-        assert flag(first["tasks"], name) == flag(second["tasks"], name) == str(value), name
+        expected = None if value is None else str(value)
+        assert flag(first["tasks"], name) == flag(second["tasks"], name) == expected, name
     assert int(flag(second["base"], "--seed")) == int(flag(first["base"], "--seed")) + 1
     for name in ("demonstrations", "sft"):  # the demonstrations' mistakes and the SFT order
         assert flag(first[name], "--seed") is None and flag(second[name], "--seed") == "1"
@@ -419,12 +421,20 @@ def test_a_campaign_training_on_heldout_tasks_is_refused_before_any_warm_up(tmp_
     assert check.complete() and {s.name: s for s in demo.stages()}["heldout unseen"].complete()
 
 
+@pytest.mark.parametrize("name", ["rl_families_per_category", "heldout_per_family"])
 @pytest.mark.parametrize("value", [0, -1, True, 1.5, "3"])
-def test_rl_pool_size_must_be_a_positive_integer(value):
+def test_rl_pool_size_and_heldout_per_family_must_be_positive_integers(name, value):
     from t1jax.demo.driver import TasksStage
 
-    with pytest.raises(ValueError, match="tasks.rl_families_per_category must be an integer >= 1 or null"):
-        TasksStage(rl_families_per_category=value)
+    with pytest.raises(ValueError, match=f"tasks.{name} must be an integer >= 1 or null"):
+        TasksStage(**{name: value})
+
+
+def test_the_heldout_count_is_set_one_way():
+    from t1jax.demo.driver import TasksStage
+
+    with pytest.raises(ValueError, match="tasks: set heldout_tasks or heldout_per_family, not both"):
+        TasksStage(heldout_tasks=64, heldout_per_family=1)
 
 
 def test_a_campaign_is_the_rl_stage_plus_its_overrides_warm_up_shared_when_it_cannot_differ(tmp_path):
@@ -697,7 +707,13 @@ def test_the_base_evaluated_on_a_sample_is_compared_on_the_tasks_both_evaluated(
 
     config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
     sample = config.eval.base_task_sample
-    assert sample is not None and sample < config.tasks.heldout_tasks  # the demo's own setting
+    from t1jax.data.suite import make_families
+
+    suite = config.tasks
+    families = make_families(suite.seed, families_per_category=suite.families_per_category,
+                             heldout_fraction=suite.heldout_fraction)  # fmt: skip
+    heldout = suite.heldout_per_family * sum(f.split == "heldout" for f in families)
+    assert sample is not None and sample < heldout  # the demo's own setting
     stages = {s.name: s.command for s in Demo(config, base_dir, tmp_path).stages()}
     for name, command in stages.items():
         if name.startswith("eval "):
