@@ -217,14 +217,14 @@ def plan_tasks(
     if heldout_per_family is not None:
         if heldout_tasks is not None:
             raise ValueError("set heldout_tasks or heldout_per_family, not both")
-        k = heldout_per_family
+        k, held_out = heldout_per_family, sum(heldout_families.values())
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"heldout_per_family must be an integer >= 1, got {heldout_per_family!r}")
-        num_heldout = heldout_per_family * sum(heldout_families.values())
+            raise ValueError(f"heldout_per_family must be an integer >= 1, got {k!r}")
+        num_heldout = k * held_out
         if num_heldout > n - 1:
             raise ValueError(
-                f"heldout_per_family {heldout_per_family} x {sum(heldout_families.values())} held-out "
-                f"families = {num_heldout} tasks leaves no train task of n = {n}"
+                f"heldout_per_family {k} x {held_out} held-out families = {num_heldout} tasks "
+                f"leaves no train task of n = {n}"
             )
     elif heldout_tasks is None:
         num_heldout = min(n - 1, max(1, round(n * heldout_fraction)))

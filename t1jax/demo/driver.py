@@ -420,9 +420,11 @@ class Demo:
         c, out = self.config, self.out
         cli = [sys.executable, "-m", "t1jax.cli"]
         tasks = out / "tasks"
-        heldout_tasks = [flag for flag, value in (("--heldout-tasks", c.tasks.heldout_tasks),
-                                                  ("--heldout-per-family", c.tasks.heldout_per_family))
-                         if value is not None for flag in (flag, str(value))]  # fmt: skip
+        heldout_tasks: list[str] = []  # how many held-out tasks: the fraction's unless one is set
+        if c.tasks.heldout_tasks is not None:
+            heldout_tasks = ["--heldout-tasks", str(c.tasks.heldout_tasks)]
+        if c.tasks.heldout_per_family is not None:
+            heldout_tasks = ["--heldout-per-family", str(c.tasks.heldout_per_family)]
         stages = [
             Stage("tasks", [*cli, "tasks", "generate", "--out", str(tasks), "--n", str(c.tasks.n),
                             "--seed", str(c.tasks.seed), "--heldout-fraction", str(c.tasks.heldout_fraction),
