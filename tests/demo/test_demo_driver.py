@@ -707,12 +707,15 @@ def test_the_base_evaluated_on_a_sample_is_compared_on_the_tasks_both_evaluated(
 
     config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
     sample = config.eval.base_task_sample
-    from t1jax.data.suite import make_families
+    from t1jax.data.suite import make_families, plan_tasks
 
     suite = config.tasks
     families = make_families(suite.seed, families_per_category=suite.families_per_category,
                              heldout_fraction=suite.heldout_fraction)  # fmt: skip
-    heldout = suite.heldout_per_family * sum(f.split == "heldout" for f in families)
+    planned = plan_tasks(families, suite.n, suite.seed, heldout_fraction=suite.heldout_fraction,
+                         heldout_tasks=suite.heldout_tasks,
+                         heldout_per_family=suite.heldout_per_family)  # fmt: skip
+    heldout = sum(task.family.split == "heldout" for task in planned)
     assert sample is not None and sample < heldout  # the demo's own setting
     stages = {s.name: s.command for s in Demo(config, base_dir, tmp_path).stages()}
     for name, command in stages.items():
