@@ -806,6 +806,9 @@ class Demo:
                     "mean_test_fraction": result["mean_test_fraction"],
                     "n_trials": result["n_total_trials"],
                     "n_errors": result["n_errors"],
+                    # absent from evaluations written before t1jax eval counted them
+                    "mean_action_turns": result.get("mean_action_turns"),
+                    "n_turn_limit": result.get("n_turn_limit"),
                 }
         verdicts, tests_verdicts = {}, {}
         for mode in self.modes:
@@ -939,13 +942,15 @@ def _noise_mark(verdict: Mapping[str, Any], *, not_beyond: str) -> str:
 
 
 def render_markdown(summary: dict[str, Any]) -> str:
-    lines = ["| checkpoint | resolved | 95% CI | pass@1 | tests passed | trials | errors |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| checkpoint | resolved | 95% CI | pass@1 | tests passed | turns | at turn limit | trials "
+             "| errors |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, row in summary["table"].items():
         ci = row["ci95"] or [float("nan")] * 2
+        turns, at_limit = row.get("mean_action_turns"), row.get("n_turn_limit")
         lines.append(
             f"| {name} | {row['resolved_rate']:.3f} | [{ci[0]:.3f}, {ci[1]:.3f}] | "
             f"{row['pass_at_k'].get('1', float('nan')):.3f} | {row['mean_test_fraction']:.3f} | "
+            f"{'-' if turns is None else f'{turns:.2f}'} | {'-' if at_limit is None else at_limit} | "
             f"{row['n_trials']} | {row['n_errors']} |"
         )
     lines.append("")

@@ -393,7 +393,8 @@ def print_table(result: dict, job_dir) -> None:
 
     ks = sorted(result["pass_at_k"], key=int)
     table = Table(title=f"t1jax eval: {job_dir}")
-    for column in ("group", "trials", "errors", "resolved", "mean reward", *(f"pass@{k}" for k in ks)):
+    columns = ("group", "trials", "errors", "resolved", "mean reward", *(f"pass@{k}" for k in ks), "turns")
+    for column in columns:
         table.add_column(column, justify="left" if column == "group" else "right", no_wrap=True)
 
     def row(name, summary):
@@ -407,6 +408,7 @@ def print_table(result: dict, job_dir) -> None:
             pct(summary["resolved_rate"]),
             "-" if summary["mean_reward"] is None else f"{summary['mean_reward']:.3f}",
             *(pct(summary["pass_at_k"].get(k)) for k in ks),
+            "-" if summary["mean_action_turns"] is None else f"{summary['mean_action_turns']:.2f}",
         )
 
     row("all", result)

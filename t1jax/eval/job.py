@@ -6,9 +6,10 @@ Job directory:
     JOB/config.json                 the `EvalSettings` (what decides the results) + the agent
     JOB/result.json                 aggregate: n_total_trials, n_errors, mean reward, resolved
                                     rate with a bootstrap interval (over template families where
-                                    the tasks name one), unbiased pass@k, the same per category
-                                    and difficulty, every error with its cause, every skipped
-                                    task with why
+                                    the tasks name one), unbiased pass@k, mean action turns and
+                                    trials ended at the turn limit, the same per category and
+                                    difficulty, every error with its cause, every skipped task
+                                    with why
     JOB/timing.json                 wall-clock facts (kept out of result.json, which a resumed
                                     job must reproduce exactly)
     JOB/<task>__attempt-<k>/result.json          one trial: fate, reward, tests, cause, timings
@@ -51,6 +52,7 @@ from t1jax.eval.passk import bootstrap_interval, cluster_names, mean_pass_at_k, 
 from t1jax.rollout.types import SamplingParams
 from t1jax.runtime.records import resolved, trajectory_json
 from t1jax.runtime.scheduler import FailureCause, FinishedTrial, TrialFate, TrialScheduler, TrialSpec
+from t1jax.tito.types import TrialStatus
 
 FORMAT_VERSION = 1
 
@@ -342,6 +344,11 @@ def aggregate(results: Iterable[Mapping[str, Any]], load_errors: Sequence[tuple[
                 sum(r["tests_passed"] / r["tests_total"] if r["tests_total"] else 0.0 for r in rows), n
             ),
             "mean_test_count_reward": _ratio(sum(r["test_count_reward"] for r in rows), n),
+            # how long the agent acts, and how often the harness's turn budget ends it rather than
+            # the agent (paper §6, Fig. 15 reports turns per checkpoint): RL that learns to act on
+            # past the work shows here before it shows in the resolved rate
+            "mean_action_turns": _ratio(sum(r["action_turns"] for r in rows), n),
+            "n_turn_limit": sum(r["status"] == TrialStatus.MAX_TURNS.value for r in rows),
         }
         counts = [(len(v), sum(v)) for v in per_task.values()]
         out["pass_at_k"] = {str(k): _round(mean_pass_at_k(counts, k)) for k in range(1, attempts + 1)}

@@ -569,6 +569,21 @@ def test_a_comparison_whose_interval_lies_below_zero_reads_as_reversed():
     assert any(line.startswith("- share of tests passed, rl-a>sft") and "REVERSED" in line for line in lines)
 
 
+def test_the_table_shows_each_checkpoints_turns_and_tolerates_evaluations_without_them():
+    """Turns a trial and trials ended at the turn limit, as t1jax eval counts them; an evaluation
+    written before it counted them (a demo directory continued) shows '-' rather than failing."""
+    from t1jax.demo.driver import render_markdown
+
+    row = {"resolved_rate": 0.25, "ci95": [0.125, 0.375], "pass_at_k": {"1": 0.25}, "mean_test_fraction": 0.5,
+           "n_trials": 128, "n_errors": 0}  # fmt: skip
+    table = {"rl-greedy": {**row, "mean_action_turns": 4.781, "n_turn_limit": 9}, "sft-greedy": row}
+    summary = {"table": table, "stage_seconds": {}, "total_stage_sec": 0, "wall_sec": 0, "verdicts": {}}
+    lines = render_markdown(summary).splitlines()
+    assert "| tests passed | turns | at turn limit | trials | errors |" in lines[0]
+    assert "| rl-greedy | 0.250 | [0.125, 0.375] | 0.250 | 0.500 | 4.78 | 9 | 128 | 0 |" in lines
+    assert "| sft-greedy | 0.250 | [0.125, 0.375] | 0.250 | 0.500 | - | - | 128 | 0 |" in lines
+
+
 def _traced_stage(tmp_path: Path, name: str, *, needs=(), seconds=0.3, fail=False, burn=False):
     """A stage whose command logs its start and end times to trace.txt and writes its marker."""
     from t1jax.demo.driver import Stage
@@ -674,7 +689,7 @@ def test_the_verdicts_resample_held_out_families_not_tasks(tmp_path):
             trial = {"trial_name": f"trial{index}", "task_id": task, "family": family, "skipped": False,
                      "resolved": task in tasks, "error": None, "detail": "", "reward": float(task in tasks),
                      "tests_passed": 1, "tests_total": 1, "test_count_reward": 0.05, "category": "c",
-                     "difficulty": "easy"}  # fmt: skip
+                     "difficulty": "easy", "action_turns": 2, "status": "completed"}  # fmt: skip
             (job / f"trial{index}" / "result.json").write_text(json.dumps(trial))
             trials.append(trial)
         # the job's result.json as `t1jax eval` writes it from those trials
@@ -737,7 +752,7 @@ def test_the_base_evaluated_on_a_sample_is_compared_on_the_tasks_both_evaluated(
             trial = {"trial_name": f"trial{index}", "task_id": task, "family": tasks[task],
                      "skipped": False, "resolved": hit, "error": None, "detail": "", "reward": float(hit),
                      "tests_passed": 1, "tests_total": 1, "test_count_reward": 0.05, "category": "c",
-                     "difficulty": "easy"}  # fmt: skip
+                     "difficulty": "easy", "action_turns": 2, "status": "completed"}  # fmt: skip
             (job / f"trial{index}" / "result.json").write_text(json.dumps(trial))
             trials.append(trial)
         (job / "result.json").write_text(json.dumps(aggregate(trials, [], 1)))

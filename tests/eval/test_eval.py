@@ -306,7 +306,7 @@ def test_the_job_interval_resamples_the_families_its_tasks_name():
             {"trial_name": f"{task}__attempt-1", "task_id": task, "family": family, "skipped": False,
              "resolved": task == "a0", "error": None, "detail": "", "reward": float(task == "a0"),
              "tests_passed": 1, "tests_total": 1, "test_count_reward": 0.05, "category": "c",
-             "difficulty": "easy"}  # fmt: skip
+             "difficulty": "easy", "action_turns": 2, "status": "completed"}  # fmt: skip
             for task, family in families.items()
         ]
 
@@ -318,6 +318,28 @@ def test_the_job_interval_resamples_the_families_its_tasks_name():
     mixed = aggregate(rows({"a0": "", "b0": "B", "b1": "B", "b2": "B"}), [], 1)
     assert mixed["ci95_resampled"] == "1 family and 1 task without one"
     assert mixed["resolved_rate_ci95"] == [0.0, 1.0]  # the same two units as by family
+
+
+def test_the_job_counts_action_turns_and_trials_the_turn_limit_ended():
+    """By hand: category x has trials of 2 and 8 turns (the second ended by the turn budget),
+    category y one of 5 turns that errored: 15 / 3 = 5.0 turns a trial overall, 1 at the limit;
+    per category 5.0 and 1, 5.0 and 0. A skipped task counts in neither."""
+    from t1jax.eval.job import aggregate
+
+    def row(task, category, turns, status, *, skipped=False):
+        error = "sampler_error" if status == "error" else None
+        return {"trial_name": f"{task}__attempt-1", "task_id": task, "family": task, "skipped": skipped,
+                "resolved": False, "error": error, "detail": "", "reward": 0.0, "tests_passed": 0,
+                "tests_total": 2, "test_count_reward": 0.0, "category": category, "difficulty": "easy",
+                "action_turns": turns, "status": status}  # fmt: skip
+
+    trials = [row("a", "x", 2, "completed"), row("b", "x", 8, "max_turns"), row("c", "y", 5, "error"),
+              row("d", "y", 0, None, skipped=True)]  # fmt: skip
+    result = aggregate(trials, [], 1)
+    assert result["mean_action_turns"] == 5.0 and result["n_turn_limit"] == 1
+    x, y = result["by_category"]["x"], result["by_category"]["y"]
+    assert x["mean_action_turns"] == 5.0 and x["n_turn_limit"] == 1
+    assert y["mean_action_turns"] == 5.0 and y["n_turn_limit"] == 0
 
 
 def test_a_cluster_bootstrap_resamples_whole_families():
