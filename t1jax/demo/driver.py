@@ -946,7 +946,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
              "| errors |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, row in summary["table"].items():
         ci = row["ci95"] or [float("nan")] * 2
-        turns, at_limit = row.get("mean_action_turns"), row.get("n_turn_limit")
+        turns, at_limit = row["mean_action_turns"], row["n_turn_limit"]  # None: an older evaluation
         lines.append(
             f"| {name} | {row['resolved_rate']:.3f} | [{ci[0]:.3f}, {ci[1]:.3f}] | "
             f"{row['pass_at_k'].get('1', float('nan')):.3f} | {row['mean_test_fraction']:.3f} | "
