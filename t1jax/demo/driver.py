@@ -592,12 +592,15 @@ class Demo:
                    "--set", f"tasks.directory={self.rl_pool}"]  # fmt: skip
         if critic is not None:
             command += ["--set", f"model.critic_checkpoint={critic}"]
+        overrides = {**stage.overrides, **overrides}
         if self.seed:
             from t1jax.controller.config import load_run_config
 
-            run_seed = load_run_config(self.path(stage.config)).run.seed + self.seed
-            command += ["--set", f"run.seed={run_seed}"]
-        for key, value in {**stage.overrides, **overrides}.items():
+            # the seed the stage's own config and overrides give, offset; paths are not checked
+            # here (tasks.directory is the one set above, not the config's)
+            config = load_run_config(self.path(stage.config), overrides=overrides, check_paths=False)
+            overrides["run.seed"] = config.run.seed + self.seed
+        for key, value in overrides.items():
             command += ["--set", f"{key}={json.dumps(value)}"]
         return command
 

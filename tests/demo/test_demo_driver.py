@@ -175,6 +175,28 @@ def test_a_second_seed_moves_every_training_and_eval_seed_but_not_the_suites(tmp
         assert int(flag(second[name], "--seed")) == int(flag(first[name], "--seed")) + 1
 
 
+def test_a_second_seed_offsets_the_seed_a_stages_overrides_give_in_a_config_copied_elsewhere(tmp_path):
+    # The demo's configs copied out of the repository: rl.yaml's own tasks.directory
+    # (../../tests/data/tasks) names nothing there, which is harmless (the driver sets the suite's)
+    # and must not stop a second seed's stages from being built; a stage override of run.seed is
+    # the seed the offset applies to.
+    import shutil
+
+    from t1jax.demo.driver import Demo
+
+    copied = tmp_path / "a" / "b" / "configs"
+    shutil.copytree(DEMO_CONFIGS, copied)
+    demo_yaml = yaml.safe_load((copied / "demo.yaml").read_text())
+    demo_yaml["rl"]["overrides"] = {"run.seed": 5}
+    (copied / "demo.yaml").write_text(yaml.safe_dump(demo_yaml))
+    config, base_dir = load_demo_config(copied / "demo.yaml")
+    for seed, expected in ((0, 5), (2, 7)):
+        stages = {s.name: s.command for s in Demo(config, base_dir, tmp_path / f"out{seed}", seed=seed).stages()}
+        assert [p for p in stages["rl"] if p.startswith("run.seed=")] == [f"run.seed={expected}"]
+    warmup_seed = yaml.safe_load((copied / "warmup.yaml").read_text())["run"]["seed"]
+    assert [p for p in stages["warmup"] if p.startswith("run.seed=")] == [f"run.seed={warmup_seed + 2}"]
+
+
 def test_a_relative_out_directory_reaches_the_stages_as_an_absolute_path(tmp_path, monkeypatch):
     # `t1jax train --set tasks.directory=...` reads a relative path against its config file's
     # directory (configs/demo), so `make demo`'s `--out runs/demo` must not reach it relative.
