@@ -890,3 +890,8 @@ IDIOMS: tuple[Idiom, ...] = (
     Idiom("move_only_file", "file-operations", move_only_file, 0.2),
 )
 IDIOMS_BY_NAME = {idiom.name: idiom for idiom in IDIOMS}
+# Every mistake name an idiom's steps offer (a demonstrator habit names one of these). A step's
+# mistakes are named by its idiom, never by its slot values, so one step of each idiom lists them.
+MISTAKE_NAMES = frozenset(
+    mistake.name for idiom in IDIOMS for mistake in idiom.make(Slots(random.Random(0))).mistakes
+)

@@ -28,7 +28,7 @@ from sandbox_service.envbuild import check_environment
 from sandbox_service.tasks import load_dataset
 from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR, setup_toolchain
 from t1jax.agent.tokenizer import load_project_tokenizer
-from t1jax.data.idioms import CATEGORIES, IDIOMS, SLOT_WORDS, Slots
+from t1jax.data.idioms import CATEGORIES, IDIOMS, MISTAKE_NAMES, SLOT_WORDS, Slots
 from t1jax.data.suite import (
     CATEGORY_WEIGHTS,
     SuiteConfig,
@@ -76,6 +76,19 @@ def test_slot_words_are_single_tokens():
     for word in SLOT_WORDS:
         assert len(tokenizer.encode_text(f" {word}")) == 1, word
         assert len(tokenizer.encode_text(f"/{word}")) == 1, word
+
+
+def test_the_mistake_catalogue_is_every_name_a_generated_task_offers(suite):
+    """MISTAKE_NAMES (what a demonstrator habit may name) is slot-independent: an idiom's steps
+    name the same mistakes whatever their slot values, and a suite offers only those."""
+    for idiom in IDIOMS:
+        names = {tuple(m.name for m in idiom.make(Slots(random.Random(seed))).mistakes) for seed in range(20)}
+        assert len(names) == 1, idiom.name
+    out, _ = suite
+    offered = {m["name"] for plan in out.glob("*/*/solution/plan.json")
+               for step in json.loads(plan.read_text())["steps"] for m in step["mistakes"]}  # fmt: skip
+    assert offered and offered <= MISTAKE_NAMES
+    assert "sed-without-i" in MISTAKE_NAMES and "no-chmod" in MISTAKE_NAMES
 
 
 def test_generation_is_deterministic_in_the_seed(tmp_path, suite):

@@ -29,9 +29,10 @@ from t1jax.agent.harness import HarnessConfig
 from t1jax.agent.parsing import parse_reply
 from t1jax.agent.prompts import PROMPT_PROFILES
 from t1jax.agent.tokenizer import load_project_tokenizer
+from t1jax.data.idioms import MISTAKE_NAMES
 from t1jax.data.suite import SuiteConfig, generate_suite
-from t1jax.sft.demonstrator import CONFIRM_REPLY, DONE_REPLY, script_for
-from t1jax.sft.demos import collect_demonstrations
+from t1jax.sft.demonstrator import CONFIRM_REPLY, DONE_REPLY, load_plan, script_for
+from t1jax.sft.demos import check_habits, collect_demonstrations
 from t1jax.sft.train import DemoConfig
 from t1jax.tito.types import TrialStatus
 
@@ -129,11 +130,19 @@ def with_mistake_rate(task_dir: Path, target: Path, rate: float) -> Path:
     return target
 
 
-def test_a_habit_no_task_offers_is_refused_before_any_sandbox(suite):
+def test_a_misspelt_habit_is_refused_before_any_sandbox_and_a_known_one_these_tasks_lack_is_not(suite):
     tasks = [load_task(path) for path in sorted((suite / "train").iterdir())[:4]]
-    with pytest.raises(ValueError, match=r"habits \['sed-without-l'\]: no step of these 4 tasks offers"):
+    with pytest.raises(ValueError, match=r"habits \['sed-without-l'\]: no idiom and no step of these 4 tasks"):
         collect_demonstrations(tasks, None, load_project_tokenizer(), HARNESS, seed=0,
                                habits={"sed-without-l": 0.9})  # fmt: skip
+    plans = [load_plan(task) for task in tasks]
+    offered = {m["name"] for plan in plans for step in plan["steps"] for m in step["mistakes"]}
+    lacking = sorted(MISTAKE_NAMES - offered)
+    assert lacking  # 4 tasks offer a few of the idioms' mistakes, not all of them
+    check_habits(plans, {lacking[0]: 0.7})  # a config's habits hold for any suite, a small one too
+    # a mistake only a task's own plan offers (not one of the idioms') is known through the plan
+    plans[0]["steps"][0]["mistakes"].append({"name": "handmade", "actions": ["true"]})
+    check_habits(plans, {"handmade": 0.7})
 
 
 @pytest.mark.sandbox
@@ -267,7 +276,7 @@ def test_sft_cli_rejects_bad_input(tmp_path, suite):
     bad.write_text("demonstrations:\n  habits: {sed-without-l: 0.7}\n")  # a misspelt mistake name
     habit = run_cli("--config", str(bad), "--tasks", str(suite / "train"), "--collect-only",
                     "--out", str(tmp_path / "o"))  # fmt: skip
-    assert habit.returncode == 2 and "habits ['sed-without-l']: no step of these" in habit.stderr
+    assert habit.returncode == 2 and "habits ['sed-without-l']: no idiom and no step of these" in habit.stderr
     assert "Traceback" not in habit.stderr
     assert not (tmp_path / "o").exists()  # nothing written by a refused run
 
