@@ -191,7 +191,8 @@ def test_a_second_seed_offsets_the_seed_a_stages_overrides_give_in_a_config_copi
     (copied / "demo.yaml").write_text(yaml.safe_dump(demo_yaml))
     config, base_dir = load_demo_config(copied / "demo.yaml")
     for seed, expected in ((0, 5), (2, 7)):
-        stages = {s.name: s.command for s in Demo(config, base_dir, tmp_path / f"out{seed}", seed=seed).stages()}
+        demo = Demo(config, base_dir, tmp_path / f"out{seed}", seed=seed)
+        stages = {s.name: s.command for s in demo.stages()}
         assert [p for p in stages["rl"] if p.startswith("run.seed=")] == [f"run.seed={expected}"]
     warmup_seed = yaml.safe_load((copied / "warmup.yaml").read_text())["run"]["seed"]
     assert [p for p in stages["warmup"] if p.startswith("run.seed=")] == [f"run.seed={warmup_seed + 2}"]
