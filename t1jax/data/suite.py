@@ -261,6 +261,9 @@ def instruction_text(steps: Sequence[Step]) -> str:
     return "\n".join([header, *(f"{i}. {step.sentence}" for i, step in enumerate(steps, start=1))]) + "\n"
 
 
+PLAN_FILE = "plan.json"  # in the task's solution/ directory, beside solve.sh
+
+
 def plan_json(task: SuiteTask) -> dict:
     """The demonstrator's script (`solution/plan.json`): per step, what to run and how it may go wrong."""
     return {
@@ -306,6 +309,11 @@ def load_module(path):
 '''
 
 
+# A generated test is named after the step it checks: test_step{N}_{check} (N from 1, as the
+# plan numbers its steps). pytest reports it under a node prefix (`test_outputs::`).
+_STEP_TEST = re.compile(r"(?:^|::)test_step(\d+)_")
+
+
 def test_file_text(steps: Sequence[Step]) -> str:
     parts = [_TEST_PREAMBLE]
     for number, step in enumerate(steps, start=1):
@@ -313,6 +321,13 @@ def test_file_text(steps: Sequence[Step]) -> str:
             body = "\n".join(f"    {line}" for line in check.body.splitlines())
             parts.append(f"\n\ndef test_step{number}_{check.name}():\n{body}\n")
     return "".join(parts)
+
+
+def step_of_test(test_name: str) -> int | None:
+    """The plan step a generated test checks (`test_file_text`'s names, with or without pytest's
+    node prefix), or None for a test this suite did not write."""
+    match = _STEP_TEST.search(test_name)
+    return int(match.group(1)) if match else None
 
 
 def dockerfile_text(steps: Sequence[Step]) -> str:
@@ -395,7 +410,7 @@ def write_task(task: SuiteTask, directory: Path) -> None:
     solution.mkdir()
     (solution / "solve.sh").write_text(solve_sh_text(task.steps))
     (solution / "solve.sh").chmod(0o755)
-    (solution / "plan.json").write_text(json.dumps(plan_json(task), indent=1) + "\n")
+    (solution / PLAN_FILE).write_text(json.dumps(plan_json(task), indent=1) + "\n")
 
 
 def _write_env_file(environment: Path, env_file: EnvFile) -> None:

@@ -25,7 +25,8 @@ real sandboxes, the JAX engine, the learner, the controller and the evaluator, a
     OUT/eval/<ckpt>-<mode>/       t1jax eval on the held-out split, greedy and sampled (the paper's
                                   protocol, §6.1: temperature 0.1, top-p 0.95, top-k 20, 3 attempts)
     OUT/<campaign>/plots/*.png    training curves and evaluation bars (t1jax.report.curves)
-    OUT/summary.{json,md}         the table, the verdicts, the SFT reward-variance share, seconds
+    OUT/summary.{json,md}         the table, the verdicts, the SFT reward-variance share, the
+                                  held-out steps of the demonstrator's habits done, seconds
     OUT/logs/<stage>.log          each stage's own output (logs/seconds.json: time per stage)
 
 A stage whose output is complete is not run again (re-running `make demo` continues where a
@@ -51,7 +52,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -828,6 +829,7 @@ class Demo:
                                      "resampled": resolved.resampled}  # fmt: skip
                 if "tests_passed" in differences:
                     tests_verdicts[key] = differences["tests_passed"].to_json()
+        habit_steps = self._habit_steps(table)
         plots = []
         for name in self.campaigns:
             if (self.out / name / "metrics.jsonl").exists():
@@ -845,6 +847,8 @@ class Demo:
                 sorted({t for job in read.values() for t in job.resolved}), families
             ),
             "sft_reward_variance": self._reward_variance(),
+            # held-out steps done, by the demonstrator's habit each offers (job -> name -> count)
+            "habit_steps": habit_steps,
             "stage_seconds": seconds,
             # with stages overlapping (pipeline.parallel), where the machine's time went
             "stage_cpu_seconds": self._stage_cpu_seconds(stages),
@@ -880,6 +884,27 @@ class Demo:
         path = self.logs / "cpu_seconds.json"
         recorded = json.loads(path.read_text()) if path.is_file() else {}
         return {s.name: recorded[s.name] for s in stages if s.name in recorded}
+
+    def _habit_steps(self, jobs: Iterable[str]) -> dict[str, dict[str, dict[str, int]]]:
+        """Per evaluation job: the held-out steps done of those offering each of the habits the
+        demonstrations were made with (their recorded config), and of the other steps
+        (`t1jax.eval.steps`): whether the SFT policy copied the habits and RL taught them away.
+        Empty when the demonstrations had no habits (or are not there)."""
+        from t1jax.eval.job import trial_results
+        from t1jax.eval.steps import steps_by_mistake, task_plans
+
+        config = self.out / "demonstrations" / "config.json"
+        if not config.is_file():
+            return {}
+        habits = list(json.loads(config.read_text()).get("demonstrations", {}).get("habits") or {})
+        if not habits:
+            return {}
+        plans = task_plans(self.out / "tasks" / "heldout")
+        return {
+            job: {name: count.to_json() for name, count in
+                  steps_by_mistake(trial_results(self.eval_dir / job), plans, habits).items()}
+            for job in jobs
+        }  # fmt: skip
 
     def _reward_variance(self) -> dict[str, Any] | None:
         """What the SFT policy leaves RL to learn from, measured before any policy step: over the
@@ -980,6 +1005,15 @@ def render_markdown(summary: dict[str, Any]) -> str:
             f"{variance['reward_varies']:.0%} of tasks, resolved within "
             f"{variance['resolved_varies']:.0%}"
         )
+    habit_steps = summary.get("habit_steps") or {}
+    if habit_steps:
+        names = list(next(iter(habit_steps.values())))
+        lines += ["", "Held-out steps done, of those offering each of the demonstrator's habits "
+                  "(a step offering two counts under both):", "",
+                  "| checkpoint | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]  # fmt: skip
+        for job, counts in habit_steps.items():
+            cells = [f"{counts[n]['done']} / {counts[n]['offered']}" for n in names]
+            lines.append(f"| {job} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("Time per stage (s): " + ", ".join(f"{k} {v}" for k, v in summary["stage_seconds"].items()))
     cpu = summary.get("stage_cpu_seconds") or {}

@@ -37,8 +37,8 @@ from t1jax.agent.chat_template import render_tool_call_text
 from t1jax.agent.parsing import SHELL, TASK_COMPLETE
 from t1jax.agent.prompts import CONFIRM_COMPLETION
 from t1jax.agent.scripted import PolicyCall
+from t1jax.data.suite import PLAN_FILE
 
-PLAN_FILE = "plan.json"
 DONE_REPLY = "All steps are done.\n\n" + render_tool_call_text(TASK_COMPLETE, {})
 CONFIRM_REPLY = "Confirmed.\n\n" + render_tool_call_text(TASK_COMPLETE, {})
 

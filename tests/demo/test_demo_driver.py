@@ -796,6 +796,65 @@ def test_the_base_evaluated_on_a_sample_is_compared_on_the_tasks_both_evaluated(
     assert "] on 12 tasks (6 families) — " in report
 
 
+def test_the_summary_counts_the_held_out_steps_of_the_demonstrators_habits(tmp_path):
+    """Per evaluation job, the held-out steps done of those offering each habit the demonstrations
+    were made with (as their recorded config says), and of the other steps; no table when the
+    demonstrations had none. Counted by hand: task a's step 1 offers `sed` without -i, its step 2
+    nothing; task b's one step offers a missing chmod and `wc -l FILE` (not a habit here)."""
+    from t1jax.demo.driver import Demo
+    from t1jax.eval.job import aggregate
+
+    steps = {"a": [["sed-without-i"], []], "b": [["no-chmod", "wc-prints-name"]]}
+    for family, offered in steps.items():
+        task = f"suite/heldout-{family}-0000"
+        plan = {"task_id": task, "steps": [
+            {"number": n, "mistakes": [{"name": m, "actions": []} for m in names]}
+            for n, names in enumerate(offered, start=1)]}  # fmt: skip
+        solution = tmp_path / "tasks" / "heldout" / f"heldout-{family}-0000" / "solution"
+        solution.mkdir(parents=True)
+        (solution / "plan.json").write_text(json.dumps(plan))
+    passed = {  # job -> task family -> the outcome of each step's one test
+        "sft-greedy": {"a": [False, True], "b": [False]},
+        "rl-greedy": {"a": [True, True], "b": [True]},
+    }
+    (tmp_path / "logs").mkdir()
+    for name, by_task in passed.items():
+        job, trials = tmp_path / "eval" / name, []
+        for index, (family, outcomes) in enumerate(by_task.items()):
+            (job / f"trial{index}").mkdir(parents=True)
+            assertions = [{"name": f"test_outputs::test_step{n}_done", "passed": ok}
+                          for n, ok in enumerate(outcomes, start=1)]  # fmt: skip
+            task = f"suite/heldout-{family}-0000"
+            trial = {"trial_name": f"trial{index}", "task_id": task, "family": family, "skipped": False,
+                     "resolved": all(outcomes), "error": None, "detail": "", "reward": float(all(outcomes)),
+                     "tests_passed": sum(outcomes), "tests_total": len(outcomes), "test_count_reward": 0.05,
+                     "category": "c", "difficulty": "easy", "action_turns": 2, "status": "completed",
+                     "verifier": {"assertions": assertions}}  # fmt: skip
+            (job / f"trial{index}" / "result.json").write_text(json.dumps(trial))
+            trials.append(trial)
+        (job / "result.json").write_text(json.dumps(aggregate(trials, [], 1)))
+    demonstrations = tmp_path / "demonstrations"
+    demonstrations.mkdir()
+    recorded = {"demonstrations": {"habits": {"sed-without-i": 0.65, "no-chmod": 0.65}}}
+    (demonstrations / "config.json").write_text(json.dumps(recorded))
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+
+    summary = Demo(config, base_dir, tmp_path).summarize([], 0.0)
+    count = lambda done, offered: {"done": done, "offered": offered}  # noqa: E731
+    assert summary["habit_steps"] == {
+        "sft-greedy": {"sed-without-i": count(0, 1), "no-chmod": count(0, 1), "other steps": count(1, 1)},
+        "rl-greedy": {"sed-without-i": count(1, 1), "no-chmod": count(1, 1), "other steps": count(1, 1)},
+    }
+    report = (tmp_path / "summary.md").read_text()
+    assert "| checkpoint | sed-without-i | no-chmod | other steps |" in report
+    assert "| sft-greedy | 0 / 1 | 0 / 1 | 1 / 1 |" in report
+    assert "| rl-greedy | 1 / 1 | 1 / 1 | 1 / 1 |" in report
+
+    (demonstrations / "config.json").write_text(json.dumps({"demonstrations": {"habits": {}}}))
+    summary = Demo(config, base_dir, tmp_path).summarize([], 0.0)
+    assert summary["habit_steps"] == {} and "habits" not in (tmp_path / "summary.md").read_text()
+
+
 def test_the_stages_see_as_many_cpu_devices_as_the_training_configs_split(tmp_path, monkeypatch):
     """XLA:CPU with 8 fake devices ran the demo's SFT step ~19% slower than with 2 (make exports
     8 for the tests): every stage gets the most devices one training stage uses, other flags kept."""
