@@ -83,8 +83,9 @@ def test_the_oracle_does_every_step_of_generated_tasks_and_doing_nothing_not(tmp
     assert oracle[OTHER_STEPS] == StepCount(unnamed, unnamed)
 
     # each task alone: the no-op agent leaves some step of every task undone (its tests fail some)
+    nop = trial_results(jobs["nop"])
     for task_id, plan in plans.items():
-        results = [r for r in trial_results(jobs["nop"]) if r["task_id"] == task_id]
+        results = [r for r in nop if r["task_id"] == task_id]
         counts = steps_by_mistake(results, {task_id: plan}, [])
         assert counts[OTHER_STEPS].offered == len(plan["steps"])
         assert counts[OTHER_STEPS].done < len(plan["steps"]), task_id
