@@ -142,16 +142,25 @@ class EvalStage:
 
 @dataclass(frozen=True)
 class PipelineStage:
-    """How the stages share the machine: up to `parallel` run at once, each as soon as the stages
-    it reads are complete (`run_stages`). On 2 cores a training stage keeps ~1.5 of them busy
-    (XLA:CPU's small ops) and an evaluation ~1 (sandboxes, decoding), so the base and SFT
-    evaluations run beside SFT and RL instead of after them."""
+    """How the stages share the machine (`run_stages`): each starts as soon as the stages it reads
+    are complete, up to `parallel` at a time; and the stages named in `beside` run in a side lane
+    of their own, one at a time, next to those, without taking one of the `parallel` slots. On 2
+    cores a training stage keeps ~1.6 of them busy (XLA:CPU's small ops) and the rest of the
+    machine is worth a stage that needs little of it: the demonstrations (sandboxes, no model)
+    beside the base pretraining. An evaluation beside SFT slowed it by what the evaluation saved."""
 
     parallel: int = 1
+    beside: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.parallel, bool) or not isinstance(self.parallel, int) or self.parallel < 1:
             raise ValueError(f"pipeline.parallel must be an integer >= 1, got {self.parallel!r}")
+        beside = self.beside
+        if isinstance(beside, str) or not isinstance(beside, (list, tuple)) or not all(
+            isinstance(name, str) for name in beside
+        ):
+            raise ValueError(f"pipeline.beside must be a list of stage names, got {beside!r}")
+        object.__setattr__(self, "beside", tuple(beside))
 
 
 @dataclass(frozen=True)
@@ -287,6 +296,7 @@ def run_stages(
     stages: list[Stage],
     *,
     parallel: int,
+    beside: Iterable[str] = (),
     start: Callable[[Stage], subprocess.Popen | None],
     on_done: Callable[[Stage], None] | None = None,
     display: Callable[[list[Stage], list[Stage]], None] | None = None,
@@ -297,7 +307,9 @@ def run_stages(
     A stage whose output is already complete is skipped (`Stage.skipped`). A stage starts once
     every stage it `needs` is complete; among the stages ready at a moment, the earlier in the list
     starts first (the list is the pipeline's order, training before evaluations, so the critical
-    path base -> SFT -> warm-up -> RL is never held back by an evaluation that can wait).
+    path base -> SFT -> warm-up -> RL is never held back by an evaluation that can wait). The
+    stages named in `beside` take no such slot: they run one at a time in a side lane of their
+    own, next to whatever holds the slots.
     `start(stage)` returns the stage's process, or None when it ran the stage to the end itself.
     Each finished stage gets its wall seconds and the CPU seconds of its process tree
     (`Stage.cpu_seconds`, from the kernel's account of the reaped child), then `on_done(stage)`.
@@ -310,6 +322,11 @@ def run_stages(
     if parallel < 1:
         raise ValueError(f"parallel must be >= 1, got {parallel}")
     names = {stage.name for stage in stages}
+    side_lane = set(beside)
+    strangers = sorted(side_lane - names)
+    if strangers:
+        raise ValueError(f"pipeline.beside names {strangers}, which are not stages of this pipeline "
+                         f"(stages: {', '.join(stage.name for stage in stages)})")  # fmt: skip
     for stage in stages:
         missing = [need for need in stage.needs if need not in names]
         if missing:
@@ -340,8 +357,14 @@ def run_stages(
 
     try:
         while pending or running:
-            while not failures and len(running) < parallel:
-                ready = next((s for s in pending if all(need in done for need in s.needs)), None)
+            while not failures:
+                beside_now = [stage.name in side_lane for stage, _, _ in running.values()]
+                # whether a stage may start, by whether it is in the side lane
+                free = {True: not any(beside_now), False: beside_now.count(False) < parallel}
+                ready = next(
+                    (s for s in pending if free[s.name in side_lane] and all(n in done for n in s.needs)),
+                    None,
+                )
                 if ready is None:
                     break
                 pending.remove(ready)
@@ -411,6 +434,12 @@ class Demo:
         # and `make` exports 8 for the tests.
         self.env = {**os.environ, "XLA_FLAGS": host_device_flags(os.environ.get("XLA_FLAGS", ""),
                                                                  self._devices_needed())}  # fmt: skip
+        # a side-lane stage the pipeline does not have is a typo: said now, before anything runs
+        names = [stage.name for stage in self.stages()]
+        strangers = [name for name in config.pipeline.beside if name not in names]
+        if strangers:
+            raise ConfigError(f"pipeline.beside: {strangers[0]!r} is not a stage of this demo (stages: "
+                              f"{', '.join(names)})")  # fmt: skip
 
     # ---- stages ------------------------------------------------------------------------------
 
@@ -745,6 +774,7 @@ class Demo:
             run_stages(
                 stages,
                 parallel=self.config.pipeline.parallel,
+                beside=self.config.pipeline.beside,
                 start=self._start_stage,
                 on_done=lambda stage: self._stage_seconds([stage]),  # a later failure must not lose it
                 display=display,
@@ -850,9 +880,10 @@ class Demo:
             # held-out steps done, by the demonstrator's habit each offers (job -> name -> count)
             "habit_steps": habit_steps,
             "stage_seconds": seconds,
-            # with stages overlapping (pipeline.parallel), where the machine's time went
+            # with stages overlapping (pipeline.parallel, .beside), where the machine's time went
             "stage_cpu_seconds": self._stage_cpu_seconds(stages),
             "parallel_stages": self.config.pipeline.parallel,
+            "beside_stages": list(self.config.pipeline.beside),
             "stages_skipped": [s.name for s in stages if s.skipped],
             "total_stage_sec": round(sum(seconds.values()), 1),
             "wall_sec": round(wall_sec, 1),
@@ -1019,8 +1050,10 @@ def render_markdown(summary: dict[str, Any]) -> str:
     cpu = summary.get("stage_cpu_seconds") or {}
     if cpu:
         lines.append("CPU time per stage (s): " + ", ".join(f"{k} {v}" for k, v in cpu.items()))
-    overlap = summary.get("parallel_stages", 1)
-    together = f" (up to {overlap} stages at a time)" if overlap > 1 else ""
+    overlap, beside = summary.get("parallel_stages", 1), summary.get("beside_stages") or []
+    together = [f"up to {overlap} stages at a time"] if overlap > 1 else []
+    together += [f"{', '.join(beside)} beside the others"] if beside else []
+    together = f" ({'; '.join(together)})" if together else ""
     lines.append(
         f"Stages total: {summary['total_stage_sec']} s{together}; this invocation's wall time: "
         f"{summary['wall_sec']} s"

@@ -137,7 +137,11 @@ def test_a_failed_training_run_is_not_complete(tmp_path):
 @pytest.mark.parametrize(
     ("text", "needle"),
     [("bogus: 1\n", "bogus: unknown section"), ("base: {pretrain_steps: x}\n", "base.pretrain_steps"),
-     ("eval: {base_task_sample: 0}\n", "eval.base_task_sample must be an integer >= 1 or null")],
+     ("eval: {base_task_sample: 0}\n", "eval.base_task_sample must be an integer >= 1 or null"),
+     ("pipeline: {beside: demonstrations}\n", "pipeline.beside must be a list of stage names"),
+     (f"sft: {{config: {DEMO_CONFIGS / 'sft.yaml'}}}\nwarmup: {{config: {DEMO_CONFIGS / 'warmup.yaml'}}}\n"
+      f"rl: {{config: {DEMO_CONFIGS / 'rl.yaml'}}}\npipeline: {{beside: [demonstration]}}\n",
+      "pipeline.beside: 'demonstration' is not a stage of this demo (stages: tasks, base, demonstrations,")],
 )
 def test_a_bad_demo_config_is_one_line(tmp_path, text, needle):
     config = tmp_path / "demo.yaml"
@@ -609,6 +613,17 @@ def test_the_table_shows_each_checkpoints_turns_and_tolerates_evaluations_withou
     assert "| sft-greedy | 0.250 | [0.125, 0.375] | 0.250 | 0.500 | - | - | 128 | 0 |" in lines
 
 
+def test_the_summary_says_which_stages_ran_beside_the_others():
+    from t1jax.demo.driver import render_markdown
+
+    summary = {"table": {}, "stage_seconds": {"base": 118.0}, "total_stage_sec": 118.0, "wall_sec": 120.0,
+               "verdicts": {}, "parallel_stages": 1, "beside_stages": ["demonstrations"]}  # fmt: skip
+    line = "Stages total: 118.0 s (demonstrations beside the others); this invocation's wall time: 120.0 s"
+    assert line in render_markdown(summary)
+    summary.update(parallel_stages=2, beside_stages=[])
+    assert "Stages total: 118.0 s (up to 2 stages at a time);" in render_markdown(summary)
+
+
 def _traced_stage(tmp_path: Path, name: str, *, needs=(), seconds=0.3, fail=False, burn=False):
     """A stage whose command logs its start and end times to trace.txt and writes its marker."""
     from t1jax.demo.driver import Stage
@@ -665,6 +680,37 @@ def test_stages_start_once_what_they_read_is_done_and_at_most_parallel_at_a_time
     for at, _ in intervals:  # never three at once
         assert sum(start <= at < end for start, end in intervals) <= 2
     assert stages[1].cpu_seconds >= 0.25  # its process's own CPU time, from the kernel
+
+
+def test_stages_named_beside_run_one_at_a_time_next_to_the_slots(tmp_path):
+    import subprocess as sp
+
+    from t1jax.demo.driver import run_stages
+
+    stages = [
+        _traced_stage(tmp_path, "base", seconds=0.8),
+        _traced_stage(tmp_path, "demos", seconds=0.3),
+        _traced_stage(tmp_path, "sft", needs=("base", "demos"), seconds=0.8),
+        _traced_stage(tmp_path, "eval-base", needs=("base",), seconds=0.3),
+        _traced_stage(tmp_path, "eval-base-2", needs=("base",), seconds=0.3),
+        _traced_stage(tmp_path, "rl", needs=("sft",), seconds=0.2),
+    ]
+    side = ("demos", "eval-base", "eval-base-2")
+    shown = []
+    run_stages(stages, parallel=1, beside=side, start=lambda stage: sp.Popen(stage.command),
+               display=lambda all_stages, running: shown.append(sorted(s.name for s in running)))  # fmt: skip
+    events = _trace(tmp_path)
+    assert all(stage.complete() for stage in stages)
+    assert shown[0] == ["base"] and shown[1] == ["base", "demos"]  # the side lane beside the one slot
+    assert events["demos"]["start"] < events["base"]["end"]
+    assert events["sft"]["start"] >= max(events["base"]["end"], events["demos"]["end"])
+    assert events["eval-base"]["start"] < events["sft"]["end"]  # beside SFT, not after it
+    for lane in (side, ("base", "sft", "rl")):  # each lane: one stage at a time
+        spans = sorted((events[name]["start"], events[name]["end"]) for name in lane)
+        pairs = zip(spans[:-1], spans[1:], strict=True)
+        assert all(end <= next_start for (_, end), (next_start, _) in pairs), lane
+    with pytest.raises(ValueError, match=r"pipeline.beside names \['nowhere'\], which are not stages"):
+        run_stages(stages[:1], parallel=1, beside=("nowhere",), start=lambda s: None)
 
 
 def test_a_failed_stage_starts_nothing_new_lets_running_ones_finish_and_is_named(tmp_path):
