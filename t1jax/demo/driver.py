@@ -292,6 +292,16 @@ def terminate_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+def side_lane_of(stages: list[Stage], beside: Iterable[str]) -> set[str]:
+    """The names `pipeline.beside` gives, checked: a ValueError names one that is no stage."""
+    names = [stage.name for stage in stages]
+    strangers = [name for name in beside if name not in names]
+    if strangers:
+        raise ValueError(f"pipeline.beside: {strangers[0]!r} is not a stage of this pipeline (stages: "
+                         f"{', '.join(names)})")  # fmt: skip
+    return set(beside)
+
+
 def run_stages(
     stages: list[Stage],
     *,
@@ -322,11 +332,7 @@ def run_stages(
     if parallel < 1:
         raise ValueError(f"parallel must be >= 1, got {parallel}")
     names = {stage.name for stage in stages}
-    side_lane = set(beside)
-    strangers = sorted(side_lane - names)
-    if strangers:
-        raise ValueError(f"pipeline.beside names {strangers}, which are not stages of this pipeline "
-                         f"(stages: {', '.join(stage.name for stage in stages)})")  # fmt: skip
+    side_lane = side_lane_of(stages, beside)
     for stage in stages:
         missing = [need for need in stage.needs if need not in names]
         if missing:
@@ -435,11 +441,10 @@ class Demo:
         self.env = {**os.environ, "XLA_FLAGS": host_device_flags(os.environ.get("XLA_FLAGS", ""),
                                                                  self._devices_needed())}  # fmt: skip
         # a side-lane stage the pipeline does not have is a typo: said now, before anything runs
-        names = [stage.name for stage in self.stages()]
-        strangers = [name for name in config.pipeline.beside if name not in names]
-        if strangers:
-            raise ConfigError(f"pipeline.beside: {strangers[0]!r} is not a stage of this demo (stages: "
-                              f"{', '.join(names)})")  # fmt: skip
+        try:
+            side_lane_of(self.stages(), config.pipeline.beside)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
     # ---- stages ------------------------------------------------------------------------------
 

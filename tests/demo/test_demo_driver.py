@@ -141,7 +141,8 @@ def test_a_failed_training_run_is_not_complete(tmp_path):
      ("pipeline: {beside: demonstrations}\n", "pipeline.beside must be a list of stage names"),
      (f"sft: {{config: {DEMO_CONFIGS / 'sft.yaml'}}}\nwarmup: {{config: {DEMO_CONFIGS / 'warmup.yaml'}}}\n"
       f"rl: {{config: {DEMO_CONFIGS / 'rl.yaml'}}}\npipeline: {{beside: [demonstration]}}\n",
-      "pipeline.beside: 'demonstration' is not a stage of this demo (stages: tasks, base, demonstrations,")],
+      "pipeline.beside: 'demonstration' is not a stage of this pipeline (stages: tasks, base, "
+      "demonstrations,")],
 )
 def test_a_bad_demo_config_is_one_line(tmp_path, text, needle):
     config = tmp_path / "demo.yaml"
@@ -709,7 +710,7 @@ def test_stages_named_beside_run_one_at_a_time_next_to_the_slots(tmp_path):
         spans = sorted((events[name]["start"], events[name]["end"]) for name in lane)
         pairs = zip(spans[:-1], spans[1:], strict=True)
         assert all(end <= next_start for (_, end), (next_start, _) in pairs), lane
-    with pytest.raises(ValueError, match=r"pipeline.beside names \['nowhere'\], which are not stages"):
+    with pytest.raises(ValueError, match=r"'nowhere' is not a stage of this pipeline \(stages: base\)"):
         run_stages(stages[:1], parallel=1, beside=("nowhere",), start=lambda s: None)
 
 
