@@ -348,6 +348,13 @@ def run_stages(
     running: dict[int, tuple[Stage, subprocess.Popen, float]] = {}
     failures: list[str] = []
 
+    def lane_free(stage: Stage) -> bool:
+        """Whether `stage`'s lane has room now: the side lane holds one stage, the slots `parallel`."""
+        in_side_lane = [running_stage.name in side_lane for running_stage, _, _ in running.values()]
+        if stage.name in side_lane:
+            return not any(in_side_lane)
+        return in_side_lane.count(False) < parallel
+
     def finish(stage: Stage, returncode: int, began: float, cpu_seconds: float) -> None:
         stage.seconds = time.monotonic() - began
         stage.cpu_seconds = cpu_seconds
@@ -364,12 +371,8 @@ def run_stages(
     try:
         while pending or running:
             while not failures:
-                beside_now = [stage.name in side_lane for stage, _, _ in running.values()]
-                # whether a stage may start, by whether it is in the side lane
-                free = {True: not any(beside_now), False: beside_now.count(False) < parallel}
                 ready = next(
-                    (s for s in pending if free[s.name in side_lane] and all(n in done for n in s.needs)),
-                    None,
+                    (s for s in pending if lane_free(s) and all(need in done for need in s.needs)), None
                 )
                 if ready is None:
                     break
@@ -1056,9 +1059,9 @@ def render_markdown(summary: dict[str, Any]) -> str:
     if cpu:
         lines.append("CPU time per stage (s): " + ", ".join(f"{k} {v}" for k, v in cpu.items()))
     overlap, beside = summary.get("parallel_stages", 1), summary.get("beside_stages") or []
-    together = [f"up to {overlap} stages at a time"] if overlap > 1 else []
-    together += [f"{', '.join(beside)} beside the others"] if beside else []
-    together = f" ({'; '.join(together)})" if together else ""
+    sharing = [f"up to {overlap} stages at a time"] if overlap > 1 else []
+    sharing += [f"{', '.join(beside)} beside the others"] if beside else []
+    together = f" ({'; '.join(sharing)})" if sharing else ""
     lines.append(
         f"Stages total: {summary['total_stage_sec']} s{together}; this invocation's wall time: "
         f"{summary['wall_sec']} s"
