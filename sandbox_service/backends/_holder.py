@@ -276,20 +276,11 @@ def reap_exec(args: list[str]) -> int:
     procs_files, argv = args[:separator], args[separator + 1 :]
     _become_subreaper()
     pid = os.fork()
-    if pid == 0:
-        try:  # what subprocess.Popen(restore_signals=True) would do, without importing it
-            for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ"):  # Python ignores these; a program expects them
-                if hasattr(_signal, name):
-                    _signal.signal(getattr(_signal, name), _signal.SIG_DFL)
-            _join_cgroups(procs_files)
-        except OSError as error:
-            os.write(2, f"reap-exec: cannot join the sandbox's cgroups: {error}\n".encode())
-            os._exit(125)
+    if pid == 0:  # the child never returns into the reaper's code, whatever happens
         try:
-            os.execvp(argv[0], argv)
-        except OSError as error:
-            os.write(2, f"reap-exec: cannot run {argv[0]}: {error}\n".encode())
-        os._exit(127)
+            _become(procs_files, argv)
+        finally:
+            os._exit(127)
     status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     while True:  # orphans of the child (its namespace's init) are ours now
         try:
@@ -297,6 +288,24 @@ def reap_exec(args: list[str]) -> int:
         except ChildProcessError:
             break
     return status if status >= 0 else 128 - status
+
+
+def _become(procs_files: list[str], argv: list[str]) -> None:
+    """In the reaper's child: what `subprocess.Popen(argv, preexec_fn=join, close_fds=False)` did,
+    without importing subprocess. Exits 125 when a cgroup cannot be joined; returns (the caller
+    exits 127) when `argv` cannot be executed."""
+    for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ"):  # Python ignores these; a program expects them
+        if hasattr(_signal, name):
+            _signal.signal(getattr(_signal, name), _signal.SIG_DFL)
+    try:
+        _join_cgroups(procs_files)
+    except OSError as error:
+        os.write(2, f"reap-exec: cannot join the sandbox's cgroups: {error}\n".encode())
+        os._exit(125)
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as error:
+        os.write(2, f"reap-exec: cannot run {argv[0]}: {error}\n".encode())
 
 
 def main() -> int:
