@@ -11,7 +11,7 @@ verifier: it runs ARGV (joined to the cgroups whose `cgroup.procs` files are PRO
 stdio and file descriptors, SIGINT ignored and the other signals as a fresh process has them, and
 exits with its status. It runs once per verification, so it imports only `os`, `sys`, `ctypes` and
 the builtin `_signal`: the holder's own modules (json, subprocess, shutil, select, signal's enums)
-are imported where the holder uses them, which took ~20 ms of CPU off every verification (a
+are imported where the holder uses them, which took ~25 ms of CPU off every verification (a
 verification is ~0.27 CPU s, most of it the task's pytest).
 
 The `userns` op makes a user namespace mapping `count` ids from host id `base` (uid and gid 0 inside
