@@ -381,7 +381,7 @@ def solve_sh_text(steps: Sequence[Step]) -> str:
 # assertion's explanation) instead of pytest's long tracebacks, which list the source of every
 # frame. It changes the log only, never an outcome. Those tracebacks cost ~0.02 CPU s per failed
 # check: ~0.1 of the ~0.45 CPU s of a verification where most checks fail (a no-op agent), ~4% of
-# an evaluation's CPU at the trained policy's ~1.3 failed checks a trial (docs/demo-history.md),
+# an evaluation's CPU at the trained policy's ~1.3 failed checks a trial (docs/history/demo.md),
 # and a `make demo` verifies ~3,000 trials on 2 cores. Each check is its own test, so its name in
 # the `-rA` summary already says what failed.
 TEST_SCRIPT = (

@@ -203,7 +203,7 @@ class PretrainConfig:
     length: int = 128
     # 3e-3 formed the copy circuit in the long-list phase for seeds 0, 1 and 4 and never for 2 and 3
     # (their base copied 0-3 of 16 path words at any distance); 1.5e-3 formed it for all five
-    # (10-16 of 16 at distances 10-250), 6e-3 for none (docs/demo-history.md, 2026-12-05 late).
+    # (10-16 of 16 at distances 10-250), 6e-3 for none (docs/history/demo.md, 2026-12-05 late).
     learning_rate: float = 1.5e-3
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
