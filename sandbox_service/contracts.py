@@ -283,8 +283,10 @@ class Sandbox(Protocol):
         """End the agent phase, make the task's tests visible to the verifier only (checked against
         the task's checksums), run the verifier under its own deadline, and parse its report.
         Processes the agent started (a service the task asked for) keep running until `close`,
-        on the local and container backends; the verifier reaches them over the sandbox's network
-        and sees its filesystem, but they cannot see the tests or the verifier's report directory.
+        on the local and container backends; the verifier reaches them over the sandbox's network,
+        sees its filesystem and sees (and may signal) those processes by the pids the agent saw,
+        but they cannot see the tests or the verifier's report directory, nor reach the verifier's
+        processes.
         (The Kubernetes and Modal backends still stop them first: see their module docstrings.)"""
         ...
 

@@ -3,12 +3,17 @@
 Run as `unshare --mount --propagation private -- python -I -S _holder.py CONFIG_JSON` by the local
 backend and the environment builder. It performs the listed filesystem operations in its private
 mount namespace, optionally spawns one child (the sandbox's init `bwrap`) into given cgroups under an
-unprivileged uid, prints one JSON line (`{"ok": true, "pid": ..., "child": {...}}` or
-`{"ok": false, "error": ...}`) and then waits until its stdin reaches EOF.
+unprivileged uid (with `pid_namespace`, as the init of a new pid namespace with its own /proc: the
+sandbox's pid namespace is then that one's child, and the verifier joins that one), prints one
+JSON line (`{"ok": true, "pid": ..., "child": {...}}` or `{"ok": false, "error": ...}`; the child's
+pid is always its host pid) and then waits until its stdin reaches EOF.
 
-`python -I -S _holder.py --reap-exec PROCS... -- ARGV...` is the short-lived variant used for the
-verifier: it runs ARGV (joined to the cgroups whose `cgroup.procs` files are PROCS) with inherited
-stdio and file descriptors, SIGINT ignored and the other signals as a fresh process has them, and
+`python -I -S _holder.py --reap-exec [--own-proc] PROCS... -- ARGV...` is the short-lived variant
+used for the verifier (`--own-proc`: run in a pid namespace entered with setns, it gives itself a
+private mount namespace whose /proc is that pid namespace's, and when ARGV exits it kills what the
+verifier left in that namespace, never a process of a child namespace: the agent's): it runs ARGV
+(joined to the cgroups whose `cgroup.procs` files are PROCS) with inherited stdio and file
+descriptors, SIGINT ignored and the other signals as a fresh process has them, and
 exits with its status. It runs once per verification, so it imports only `os`, `sys`, `ctypes` and
 the builtin `_signal`: the holder's own modules (json, subprocess, shutil, select, signal's enums)
 are imported where the holder uses them, which took ~25 ms of CPU off every verification (a
@@ -44,11 +49,15 @@ if TYPE_CHECKING:
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_NOEXEC = 8
 MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
+MS_PRIVATE = 1 << 18
 PR_SET_CHILD_SUBREAPER = 36
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNS = 0x00020000
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -195,12 +204,16 @@ def _spawn(spec: dict) -> tuple[subprocess.Popen, dict]:
 
     def enter_cgroups_and_drop_privileges() -> None:
         _join_cgroups(spec.get("cgroup_procs", []))
+        if spec.get("pid_namespace"):  # the first process of the new pid namespace: its init
+            _mount_own_proc()
         if gid is not None:
             os.setgroups([])
             os.setresgid(gid, gid, gid)
         if uid is not None:
             os.setresuid(uid, uid, uid)
 
+    if spec.get("pid_namespace") and _libc.unshare(CLONE_NEWPID) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWPID) failed")
     child = subprocess.Popen(
         argv,
         env=spec.get("env", {}),
@@ -226,8 +239,23 @@ def _spawn(spec: dict) -> tuple[subprocess.Popen, dict]:
     if ready_line.strip() != b"ready":
         info_json.pop("child-pid", None)
     elif "child-pid" in info_json:
+        if spec.get("pid_namespace"):  # bwrap names it in its own namespace: find its host pid
+            info_json["child-pid"] = _only_child(child.pid)
         info_json["start-time"] = _start_time(info_json["child-pid"])
     return child, info_json
+
+
+def _only_child(parent: int) -> int | None:
+    """The host pid of `parent`'s one child (bwrap's outer process has exactly one: the init)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as handle:
+                    if int(handle.read().rsplit(b")", 1)[1].split()[1]) == parent:
+                        return int(entry)
+            except (OSError, IndexError, ValueError):
+                continue
+    return None
 
 
 def _start_time(pid: int) -> int | None:
@@ -272,9 +300,13 @@ def _kill_sandbox(spec: dict, child: subprocess.Popen | None, child_info: dict) 
 
 
 def reap_exec(args: list[str]) -> int:
+    own_proc = args[:1] == ["--own-proc"]
+    args = args[1:] if own_proc else args
     separator = args.index("--")
     procs_files, argv = args[:separator], args[separator + 1 :]
     _become_subreaper()
+    if own_proc:
+        _mount_own_proc()
     pid = os.fork()
     if pid == 0:  # the child never returns into the reaper's code, whatever happens
         try:
@@ -282,12 +314,53 @@ def reap_exec(args: list[str]) -> int:
         finally:
             os._exit(127)
     status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if own_proc:
+        _end_namespace_peers()
     while True:  # orphans of the child (its namespace's init) are ours now
         try:
             os.waitpid(-1, 0)
         except ChildProcessError:
             break
     return status if status >= 0 else 128 - status
+
+
+def _mount_own_proc() -> None:
+    """A mount namespace of this process's own (a private copy of the current one) whose /proc is a
+    procfs of this process's pid namespace: bwrap, run in a pid namespace entered with setns, reads
+    /proc/PID of its child by the pid it has there, and the verifier is shown this /proc."""
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
+    _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+
+
+def _end_namespace_peers() -> None:
+    """SIGKILL what the verifier left in this pid namespace (whose procfs is /proc): every process
+    whose namespace is this one, except its init and this reaper. Processes of child namespaces
+    (the agent's) are not ours."""
+    me = str(os.getpid())
+    try:
+        own = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return
+    for _ in range(200):
+        peers = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or entry in ("1", me):
+                continue
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") == own:
+                    peers.append(int(entry))
+            except OSError:
+                continue
+        if not peers:
+            return
+        for peer in peers:
+            try:
+                os.kill(peer, _signal.SIGKILL)
+            except OSError:
+                pass
+        _reap_exited()
 
 
 def _become(procs_files: list[str], argv: list[str]) -> None:

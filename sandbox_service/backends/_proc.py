@@ -207,6 +207,33 @@ def kill_session(session_id: int, *, rounds: int = 20) -> None:
         time.sleep(0.005)
 
 
+def kill_namespace_members(namespace: str, *, rounds: int = 20) -> None:
+    """SIGKILL every process whose own pid namespace is `namespace` (a `pid:[inode]` link text) but
+    its init: the processes of that namespace that are in none of its child namespaces."""
+    for _ in range(rounds):
+        members = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") != namespace:
+                    continue
+                with open(f"/proc/{entry}/status") as handle:
+                    nspid = next((line.split()[1:] for line in handle if line.startswith("NSpid:")), [])
+            except (OSError, StopIteration):
+                continue
+            if nspid and nspid[-1] != "1":
+                members.append(int(entry))
+        if not members:
+            return
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.005)
+
+
 def kill_if_same(pid: int | None, start_time: int | None) -> bool:
     """SIGKILL `pid` only if it is still the process that started at `start_time`."""
     if pid is None or start_time is None or pid_start_time(pid) != start_time:

@@ -40,7 +40,11 @@ Isolation design (one sandbox):
   tree, checks them against the checksums taken at `create`, and runs the verifier as a new bwrap
   sandbox that shares the sandbox's network namespace (localhost reaches the agent's services) and
   sees its live root, but has its own user namespace (same id mapping, so the agent's capabilities
-  do not reach it), mount namespace and pid namespace: /tests (read-only), /logs/verifier (fresh)
+  do not reach it) and mount namespace, and runs in the pid namespace *above* the agent's: the
+  agent's pid namespace is a child of one the holder made for the sandbox (its init is bwrap's
+  outer process), so the verifier sees, and may signal, every process the agent left running, by
+  the pids the agent saw (`_align_pids`: both namespaces allocate in step), while the agent's
+  processes cannot see the verifier's at all. /tests (read-only), /logs/verifier (fresh)
   and the toolchain exist only there, and the interpreter is the environment's *pristine* copy
   (mounted read-only; `verifier.find_runtime`), so nothing the agent replaced runs before the
   tests. `sandbox_service.verifier` says what it executes; `sandbox_service.reports` how its
@@ -67,6 +71,7 @@ import json
 import os
 import shutil
 import stat
+import subprocess
 import threading
 import time
 import uuid
@@ -534,11 +539,13 @@ class LocalSandbox:
                 "gid": SANDBOX_UID_BASE,
                 "cgroup_procs": self.cgroups.procs_files,
                 "userns": "agent",
+                "pid_namespace": True,  # the verifier's: the agent's is a child of it (see `_verify`)
             }
             self._holder = HolderProcess.start(backend.tools["unshare"], self._holder_ops(toolchain), spawn)
             self.init_pid = self._holder.child["child-pid"]
             self._init_start = _proc.pid_start_time(self.init_pid)
             self._write_meta()
+            self._align_pids()
         except BaseException:
             self._release()
             raise
@@ -640,11 +647,13 @@ class LocalSandbox:
 
     def _bwrap_args(self, *, verifier: bool, join_network: bool = True) -> list[str]:
         """bwrap arguments (after `--userns FD`) for the agent's init or the verifier; paths are in the
-        holder's staging tree. The verifier is started inside the sandbox's network namespace
-        (`join_network`) unless that is gone with the sandbox's init."""
+        holder's staging tree. The verifier is started inside the sandbox's network namespace and
+        the pid namespace above the agent's (`join_network`: both unless gone with the sandbox's
+        init); it then sees that namespace's processes through the procfs its reaper mounted."""
         network = self._network_shared or (verifier and join_network)
+        joined_pids = verifier and join_network
         args = [
-            "--unshare-pid",
+            *([] if joined_pids else ["--unshare-pid"]),
             "--unshare-ipc",
             "--unshare-uts",
             "--hostname",
@@ -655,8 +664,7 @@ class LocalSandbox:
             "--bind",
             f"{STAGING}/root",
             "/",
-            "--proc",
-            "/proc",
+            *(["--ro-bind", "/proc", "/proc"] if joined_pids else ["--proc", "/proc"]),
             "--dev",
             "/dev",
             "--size",
@@ -786,6 +794,28 @@ class LocalSandbox:
             )
         finally:
             self._exec_sessions.difference_update(started)
+
+    def _align_pids(self) -> None:
+        """Make the agent's pid namespace allocate its next pid where the outer (verifier's) one will,
+        so a process the agent starts has the same pid in both views: a pid file the agent wrote
+        names, for the verifier, the process it named for the agent. Both allocate in step while
+        only the agent's processes fork (each of them takes a pid in both); the outer init and the
+        verifier's processes take pids of the outer one only, which this realigns. (A hostile agent
+        with its namespace's capabilities can move its own counter: it then misleads only itself.)"""
+        script = (
+            'while read -r key outer_host outer inner rest; do [ "$key" = NSpid: ] || continue; '
+            '[ -n "$inner" ] && echo "$outer" > /proc/sys/kernel/ns_last_pid; exit; '
+            "done < /proc/self/status; exit 3"
+        )
+        enter = [self._backend.tools["nsenter"], f"--pid=/proc/{self.init_pid}/ns/pid", "--"]
+        done = subprocess.run(
+            [*enter, "/bin/sh", "-c", script],
+            capture_output=True, text=True, timeout=30, env={"PATH": DEFAULT_PATH},
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise SandboxError(
+                f"sandbox {self._id}: aligning its pid namespaces failed: {done.stderr.strip()}"
+            )
 
     def _stop_agent_calls(self) -> None:
         """Kill the sessions of agent commands still running (verify ends the agent phase); what they
@@ -923,15 +953,26 @@ class LocalSandbox:
         tools = self._backend.tools
         host_binds = [arg for host, mount in runtime.host_mounts for arg in ("--ro-bind", host, mount)]
         userns = os.open(f"/proc/{self._holder.userns['verifier']}/ns/user", os.O_RDONLY)
-        join = not self._network_shared and _proc.pid_start_time(self.init_pid) == self._init_start
+        # The verifier joins the agent's network namespace and the pid namespace above the agent's
+        # while the sandbox's init lives (they end with it).
+        join = _proc.pid_start_time(self.init_pid) == self._init_start
+        outer = os.readlink(f"/proc/{self._holder.pid}/ns/pid_for_children") if join else None
+
+        def stop_verifier(proc) -> None:  # its processes in the outer namespace are in no session of its
+            _proc.kill_session(proc.pid)
+            if outer is not None:
+                _proc.kill_namespace_members(outer)
+
         try:
             command = [
                 tools["nsenter"],
                 f"--mount=/proc/{self._holder.pid}/ns/mnt",
-                *([f"--net=/proc/{self.init_pid}/ns/net"] if join else []),
+                *([f"--net=/proc/{self.init_pid}/ns/net"] if join and not self._network_shared else []),
+                *([f"--pid=/proc/{self._holder.pid}/ns/pid_for_children"] if join else []),
                 "--",
                 *HOLDER_COMMAND,
                 "--reap-exec",
+                *(["--own-proc"] if join else []),
                 *self.cgroups.procs_files,
                 "--",
                 tools["setpriv"],
@@ -955,7 +996,7 @@ class LocalSandbox:
                 timeout_sec=timeout,
                 head_bytes=64 * 1024,
                 tail_bytes=self._backend.max_output_bytes,
-                on_timeout=lambda proc: _proc.kill_session(proc.pid),
+                on_timeout=stop_verifier,
                 on_start=self._track_verifier,
                 pass_fds=(userns,),
             )
@@ -963,6 +1004,11 @@ class LocalSandbox:
             os.close(userns)
             with self._lock:
                 self._verifier_session = None
+        if join and _proc.pid_start_time(self.init_pid) == self._init_start:
+            try:  # the verifier's processes took pids of the outer namespace only
+                self._align_pids()
+            except (SandboxError, OSError, subprocess.SubprocessError):
+                pass  # a sandbox closed meanwhile; an agent phase after this one finds pids unaligned
         output = run.stdout + "\n" + run.stderr
         report = build_report(
             report_dir=verify_dir / "logs",

@@ -26,12 +26,15 @@ ephemeral storage). Commands go through `podman exec -i` with the scripts of
 
 Verification leaves the agent's processes running (a service the task asked for keeps serving) and
 runs the verifier in a second container that shares the trial's network namespace (localhost
-reaches the service) and its live root filesystem (`podman mount`), but has its own mount and pid
-namespaces: /tests is a read-only bind of a fresh host copy (checked against the task's
-checksums) that no process of the trial can see, /logs/verifier a fresh host directory the trial
-cannot see, the pinned toolchain a read-only bind, and the task's image *as built*
-(`podman image mount`, read-only) supplies the interpreter (`verifier.find_runtime`), so nothing
-the agent replaced runs before the tests do. Reports are read from the host directory.
+reaches the service), its pid namespace (the tests see, by the pids the agent saw, and may signal
+the processes the agent left running) and its live root filesystem (`podman mount`), but has its
+own mount namespace and a capability the trial lacks (CAP_SYS_PTRACE: the trial's processes, seeing
+the verifier's, cannot ptrace them or open their /proc/PID/root, fd or mem): /tests is a read-only
+bind of a fresh host copy (checked against the task's checksums) that no process of the trial can
+open, /logs/verifier a fresh host directory the trial cannot open, the pinned toolchain a
+read-only bind, and the task's image *as built* (`podman image mount`, read-only) supplies the
+interpreter (`verifier.find_runtime`), so nothing the agent replaced runs before the tests do.
+Reports are read from the host directory.
 
 Invariants:
 - Every container carries labels naming the service, the run, the sandbox, the task and the owning
@@ -887,6 +890,14 @@ class PodmanSandbox(ContainerSandbox):
                 *(arg for key, value in labels.items() for arg in ("--label", f"{key}={value}")),
                 "--network",
                 f"container:{self.name}",
+                # The trial's pid namespace, so the tests see (and may signal) what the agent left
+                # running. CAP_SYS_PTRACE, which the trial's container lacks, keeps the verifier's
+                # processes out of the trial's reach: ptrace and /proc/PID/{root,fd,mem,environ}
+                # need the target's capabilities to be a subset of the caller's.
+                "--pid",
+                f"container:{self.name}",
+                "--cap-add",
+                "SYS_PTRACE",
                 "--user",
                 "0:0",
                 "--workdir",

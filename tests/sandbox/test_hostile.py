@@ -490,3 +490,48 @@ def test_report_directory_swapped_for_a_symlink_is_ignored(any_backend):
     finally:
         sandbox.close()
     assert report.parsed and (report.passed, report.total) == (0, 2) and report.reward_value is None
+
+
+# -- the verifier sees the agent's processes; they cannot reach it ---------------------------------
+
+_PROC_ATTACKER = (
+    "setsid bash -c 'echo $$ > /tmp/attacker.pid; while true; do for p in /proc/[0-9]*; do "
+    '[ "${p#/proc/}" = "$$" ] && continue; '
+    'tr "\\0" " " < $p/cmdline 2>/dev/null | grep -q run_pytest && echo ${p#/proc/} >> /tmp/seen-verifier; '
+    "cat $p/root/tests/test_outputs.py >> /tmp/stolen 2>/dev/null; "
+    'tr "\\0" "\\n" < $p/environ 2>/dev/null | grep T1JAX_ >> /tmp/stolen 2>/dev/null; '
+    "ls -l $p/fd/ 2>/dev/null | grep /tests/ >> /tmp/stolen; "
+    "mkdir -p $p/root/logs/verifier 2>/dev/null && echo 1 > $p/root/logs/verifier/reward.txt 2>/dev/null; "
+    "done; sleep 0.02; done' > /dev/null 2>&1 < /dev/null &"
+)
+
+
+def test_agent_daemon_cannot_reach_the_verifier_through_proc(any_backend, tmp_path):
+    """The verifier sees the agent's processes (by the agent's pids); a daemon the agent left running
+    scans /proc for the verifier's processes during verification and tries what /proc offers a
+    process of the same uid (their root: the tests and the report directory; their environment;
+    their open files). Local: the verifier's processes are in a pid namespace above the agent's, so
+    the daemon never sees them. Container: it sees them, but they hold a capability it lacks, so
+    their root, environment and descriptors are closed to it. Either way nothing leaks and the
+    planted reward is ignored."""
+    task_dir = copy_task(HARBOR_HELLO, tmp_path / "task")
+    with open(task_dir / "tests" / "test_outputs.py", "a") as tests:
+        tests.write("\n\ndef test_slow_enough_to_be_attacked():\n    import time\n    time.sleep(2)\n")
+    sandbox = any_backend.create(load_task(task_dir))
+    try:
+        sandbox.exec(_PROC_ATTACKER, 30)
+        pid = sandbox.exec(_once_written("/tmp/attacker.pid") + "cat /tmp/attacker.pid", 30).stdout.strip()
+        # The route works between processes the agent owns: another of its processes' root is open.
+        probe = sandbox.exec(f"cat /proc/{pid}/root/etc/hostname; tr '\\0' '\\n' < /proc/{pid}/environ", 30)
+        assert probe.stdout.startswith("sandbox") and "PATH=" in probe.stdout
+        report = sandbox.verify()
+        seen = _host_file(sandbox, "/tmp/seen-verifier") or ""
+        stolen = _host_file(sandbox, "/tmp/stolen") or ""
+    finally:
+        sandbox.close()
+    assert report.parsed and report.total == 3 and report.passed == 1 and report.reward_value == 0.0
+    assert stolen == "", f"the daemon reached the verifier: {stolen[:300]}"
+    if hasattr(sandbox, "host_root"):
+        assert seen == "", "the verifier's processes are visible to the agent"
+    else:
+        assert seen, "the daemon never saw the verifier's processes (the attack was not attempted)"
