@@ -11,8 +11,10 @@ no logic of its own beyond that wiring.
     leak-check   ask a running service to reclaim and report what a run left behind
     stand-ins    build (or list) the stand-in base images for images no registry serves here
 
-Bad input (a missing directory, an unknown flag value, a backend that cannot start) gets one line
-naming the problem on stderr and exit status 2, never a traceback; `--debug` shows the traceback.
+Errors follow `sandbox_service.cli_contract`: bad input (a missing directory, an unknown flag
+value, a missing verifier toolchain) is one line naming it on stderr and exit status 2; any other
+failure (a backend that cannot start included) one line and exit status 1; `--debug` shows the
+traceback too.
 """
 
 from __future__ import annotations
@@ -27,18 +29,16 @@ import time
 from pathlib import Path
 
 from sandbox_service.admission import AdmissionConfig, AdmissionController
-from sandbox_service.argparsing import EXIT_BAD_INPUT, OneLineArgumentParser, one_line
-from sandbox_service.contracts import SandboxError, SandboxProvider, TaskLimits
+from sandbox_service.cli_contract import EXIT_INTERRUPTED, OneLineArgumentParser, UsageError, run_command
+from sandbox_service.contracts import SandboxProvider, TaskLimits
+from sandbox_service.providers import (
+    DEFAULT_CACHE_DIR,
+    ProviderSettings,
+    add_backend_flags,
+    open_provider,
+    require_toolchain,
+)
 from sandbox_service.signals import StopOnSignal
-
-DEFAULT_CACHE_DIR = Path(".cache") / "sandbox_service"  # the local backend's default, too
-
-BACKENDS = ("local", "container", "kubernetes", "modal")
-EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """Bad input from the command line: reported as one line, exit status 2."""
 
 
 def _rate(text: str) -> float | None:
@@ -50,95 +50,18 @@ def _rate(text: str) -> float | None:
     return value
 
 
-def add_backend_flags(parser: argparse.ArgumentParser) -> None:
-    from sandbox_service.verifier import DEFAULT_TOOLCHAIN_SUBDIR
+def open_backend(args: argparse.Namespace, *, toolchain: bool = False) -> SandboxProvider:
+    """The backend the flags name (`sandbox_service.open_provider`); with `toolchain`, first
+    refuse (bad input) a missing verifier toolchain, before any work."""
+    settings = ProviderSettings.from_args(args)
+    if toolchain:
+        from sandbox_service.verifier import ToolchainMissing
 
-    group = parser.add_argument_group("backend")
-    group.add_argument("--backend", choices=BACKENDS, default="local")
-    group.add_argument(
-        "--toolchain-dir",
-        type=Path,
-        default=None,
-        help="the pinned verifier toolchain (python -m sandbox_service.verifier --setup); "
-        f"default: <cache-dir>/{DEFAULT_TOOLCHAIN_SUBDIR}",
-    )
-    group.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=DEFAULT_CACHE_DIR,
-        help="built environments, stand-in base images and sandbox state (reap finds leftovers here)",
-    )
-    group.add_argument(
-        "--allow-internet",
-        action="store_true",
-        help="local, container: let tasks that allow internet reach it (default: every sandbox is offline)",
-    )
-    group.add_argument(
-        "--pull",
-        choices=("auto", "never", "always"),
-        default="auto",
-        help="container: base images: a local copy, else a pull, else a stand-in (auto); "
-        "never pull; pull first",
-    )
-    group.add_argument(
-        "--namespace", default="t1jax-sandboxes", help="kubernetes: namespace of the sandbox Pods"
-    )
-    group.add_argument(
-        "--image-registry",
-        default=None,
-        help="kubernetes: registry holding pre-built images of Dockerfile-only tasks",
-    )
-    group.add_argument(
-        "--runtime-class", default=None, help="kubernetes: RuntimeClass of sandbox Pods (e.g. gvisor)"
-    )
-    group.add_argument("--modal-app", default="t1jax-sandboxes", help="modal: app the sandboxes belong to")
-
-
-def build_backend(args: argparse.Namespace) -> SandboxProvider:
-    from sandbox_service.verifier import DEFAULT_TOOLCHAIN_SUBDIR
-
-    toolchain_dir = args.toolchain_dir or args.cache_dir / DEFAULT_TOOLCHAIN_SUBDIR
-    if args.backend == "container":
-        from sandbox_service.backends.podman import PodmanBackend, PodmanConfig
-
-        return PodmanBackend(
-            PodmanConfig(
-                cache_dir=args.cache_dir,
-                toolchain_dir=toolchain_dir,
-                allow_internet=args.allow_internet,
-                pull=args.pull,
-            )
-        )
-    if args.backend == "kubernetes":
-        from sandbox_service.backends.kubernetes import KubernetesBackend, KubernetesConfig
-
-        return KubernetesBackend(
-            KubernetesConfig(
-                namespace=args.namespace,
-                image_registry=args.image_registry,
-                runtime_class_name=args.runtime_class,
-                toolchain_dir=toolchain_dir,
-            )
-        )
-    if args.backend == "modal":
-        from sandbox_service.backends.modal import ModalBackend, ModalConfig
-
-        return ModalBackend(ModalConfig(app_name=args.modal_app, toolchain_dir=toolchain_dir))
-    from sandbox_service.backends.local import LocalBackend
-
-    return LocalBackend(
-        cache_dir=args.cache_dir, toolchain_dir=toolchain_dir, allow_internet=args.allow_internet
-    )
-
-
-def require_toolchain(args: argparse.Namespace) -> None:
-    """Fail before any work if the pinned verifier toolchain the backend will mount is missing."""
-    from sandbox_service.verifier import DEFAULT_TOOLCHAIN_SUBDIR, Toolchain, ToolchainMissing
-
-    try:
-        Toolchain.at(args.toolchain_dir or args.cache_dir / DEFAULT_TOOLCHAIN_SUBDIR)
-    except ToolchainMissing as error:
-        raise UsageError(str(error)) from None
+        try:
+            require_toolchain(settings)
+        except ToolchainMissing as error:
+            raise UsageError(str(error)) from None
+    return open_provider(settings)
 
 
 def admission_config(args: argparse.Namespace) -> AdmissionConfig:
@@ -158,7 +81,7 @@ def admission_config(args: argparse.Namespace) -> AdmissionConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     from sandbox_service.server import TaskStore, create_app, serve
 
-    backend = build_backend(args)
+    backend = open_backend(args)
     controller = AdmissionController(backend, admission_config(args))
     store_dir = args.task_store or Path(tempfile.mkdtemp(prefix="t1jax-task-store-"))
     close_backend = getattr(backend, "close", None)
@@ -189,8 +112,7 @@ def cmd_check_tasks(args: argparse.Namespace) -> int:
         provider: SandboxProvider = SandboxServiceClient(args.url)
         name = f"service at {args.url}"
     else:
-        require_toolchain(args)
-        backend = build_backend(args)
+        backend = open_backend(args, toolchain=True)
         provider = AdmissionController(backend, AdmissionConfig(create_rate_per_sec=None))
         name = args.backend
     run_id = args.run_id or f"check-tasks-{os.getpid()}"
@@ -241,7 +163,7 @@ def cmd_check_tasks(args: argparse.Namespace) -> int:
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
-    backend = build_backend(args)
+    backend = open_backend(args)
     try:
         reaped = backend.reap(args.run_id)  # type: ignore[attr-defined]
     finally:
@@ -408,16 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        return args.run(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except (UsageError, SandboxError, OSError, ValueError) as error:
-        if args.debug:
-            raise
-        print(f"python -m sandbox_service {args.command}: {one_line(error)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    return run_command(f"python -m sandbox_service {args.command}", lambda: args.run(args), debug=args.debug)
 
 
 if __name__ == "__main__":

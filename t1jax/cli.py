@@ -18,11 +18,10 @@ every bad-input check paid when the parser imported them all.
 - ``t1jax launch --dry-run``: check a TPU pod run without the pod, write its manifests
   (``t1jax.launch.dry_run``).
 
-Errors (the contract of every subcommand): bad input — a missing file, a malformed config, an
-impossible combination — is one line on stderr naming the problem and exit status 2; any other
-failure is one line and exit status 1; ``--debug`` (before or after the subcommand) shows the
-traceback instead. A subcommand signals bad input by raising `UsageError` (or `ValueError`,
-`FileNotFoundError`, which the loaders raise with the file and field named).
+Errors: every subcommand follows the repository's one error contract
+(``sandbox_service.cli_contract``): bad input is a `UsageError` raised where the input is checked
+(or a run config's `ConfigError`), one line and exit status 2; any other failure one line and exit
+status 1; ``--debug`` (before or after the subcommand) shows the traceback too.
 
 Every subcommand, and every process it starts, shares one persistent XLA compilation cache
 (``t1jax.compilation_cache``: ``T1JAX_COMPILATION_CACHE=DIR|off``, default ``~/.cache/t1jax/xla``).
@@ -32,12 +31,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
-import select
 import sys
-import traceback
 
+from sandbox_service.cli_contract import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    OneLineArgumentParser,
+    UsageError,
+    run_command,
+)
 from t1jax import compilation_cache
+
+__all__ = ["EXIT_FAILURE", "EXIT_USAGE", "SUBCOMMANDS", "UsageError", "build_parser", "main"]
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -57,14 +62,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 
-EXIT_USAGE = 2
-EXIT_FAILURE = 1
-
-
-class UsageError(ValueError):
-    """Bad input to a CLI: reported as one line with exit status 2."""
-
-
 def chosen_command(argv: list[str]) -> str | None:
     """The subcommand `argv` names: its first argument that is not an option (the only option
     before a subcommand is ``--debug``), if that is a registered subcommand."""
@@ -78,7 +75,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser for `argv` (default: ``sys.argv[1:]``): every subcommand is listed with its help,
     and only the one `argv` names has its arguments (its module imported)."""
     chosen = chosen_command(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="t1jax",
         description="t1jax: PPO for terminal agents in JAX",
         epilog=f"environment: {compilation_cache.ENV}=DIR|off chooses the XLA compilation cache every "
@@ -95,15 +92,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def stdout_reader_gone() -> bool:
-    """Whether stdout is a pipe whose reader has closed it (poll reports an error on it); another
-    BrokenPipeError (a socket, a subprocess's pipe) is a failure like any other."""
-    try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
-    except (OSError, ValueError):
-        return False
+def as_usage_error(error: Exception) -> Exception:
+    """A run config's `ConfigError` is bad input too. Looked up only once something failed, and
+    only if the config module was loaded (it raised it then), so the parser imports nothing."""
+    config = sys.modules.get("t1jax.controller.config")
+    if config is not None and isinstance(error, config.ConfigError) and not isinstance(error, UsageError):
+        return UsageError(str(error))
+    return error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,31 +108,22 @@ def main(argv: list[str] | None = None) -> int:
         compilation_cache.configure()
         cache_problem = None
     except ValueError as error:
-        cache_problem = error
+        cache_problem = UsageError(str(error))
     args = build_parser(argv).parse_args(argv)
-    try:
+
+    def body() -> int:
         if cache_problem is not None:
             raise cache_problem
-        status = importlib.import_module(args.module).run(args)
-        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
-        return status
-    except KeyboardInterrupt:
-        print(f"t1jax {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as error:
-        if isinstance(error, BrokenPipeError) and stdout_reader_gone():
-            # `t1jax ... | head`: the reader went away; stop quietly, as a shell tool does. stdout
-            # now points at /dev/null, so the interpreter's own flush at exit cannot raise again.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 141  # 128 + SIGPIPE
-        if args.debug:
-            traceback.print_exc()
-        usage = isinstance(error, (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError))
-        kind = "error" if usage else f"failed: {type(error).__name__}"
-        message = "; ".join(line.strip() for line in str(error).strip().splitlines()) or type(error).__name__
-        hint = "" if args.debug else " (--debug shows the traceback)"
-        print(f"t1jax {args.command}: {kind}: {message}{hint if not usage else ''}", file=sys.stderr)
-        return EXIT_USAGE if usage else EXIT_FAILURE
+        try:
+            return importlib.import_module(args.module).run(args)
+        except Exception as error:
+            converted = as_usage_error(error)
+            if converted is error:
+                raise
+            raise converted from error
+
+    # a subcommand with actions of its own names them in `prog` (`t1jax tasks generate`)
+    return run_command(getattr(args, "prog", f"t1jax {args.command}"), body, debug=args.debug)
 
 
 if __name__ == "__main__":

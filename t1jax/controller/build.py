@@ -9,7 +9,6 @@ the expensive part starts.
 from __future__ import annotations
 
 import math
-import types
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -155,9 +154,10 @@ def build_sandboxes(config: RunConfig, run_id: str):
                 client.close()
 
         return client, close_client
-    from sandbox_service.__main__ import DEFAULT_CACHE_DIR, build_backend
+    from sandbox_service import ProviderSettings, open_provider
     from sandbox_service.admission import AdmissionConfig, AdmissionController
     from sandbox_service.contracts import TaskLimits
+    from sandbox_service.providers import DEFAULT_CACHE_DIR
     from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR
 
     cache_dir = Path(section.cache_dir) if section.cache_dir else DEFAULT_CACHE_DIR
@@ -167,24 +167,16 @@ def build_sandboxes(config: RunConfig, run_id: str):
             f"sandboxes.toolchain_dir: no verifier toolchain at {toolchain_dir} "
             "(make setup builds it: python -m sandbox_service.verifier --setup)"
         )
-    args = types.SimpleNamespace(
+    settings = ProviderSettings(
         backend=section.backend,
-        toolchain_dir=toolchain_dir,
         cache_dir=cache_dir,
-        allow_internet=False,
+        toolchain_dir=toolchain_dir,
         namespace=section.namespace,
         image_registry=section.image_registry,
         runtime_class=section.runtime_class,
-        modal_app="t1jax-sandboxes",
-        pull="auto",  # a local image, else a pull, else a stand-in (as `sandbox_service --pull auto`)
-    )
+    )  # pull "auto": a local image, else a pull, else a stand-in
     try:
-        if section.backend in ("local", "container", "kubernetes", "modal"):
-            backend = build_backend(args)
-        else:  # any other registered backend (sandbox_service.backends.register_backend)
-            from sandbox_service.backends import create_provider
-
-            backend = create_provider(section.backend, cache_dir=cache_dir, toolchain_dir=toolchain_dir)
+        backend = open_provider(settings)
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError(f"sandboxes.backend: {error}") from error
     admission = AdmissionController(

@@ -7,9 +7,9 @@ The resolved config (every default filled in) is written to RUN/config.yaml; `--
 exactly it from the last state checkpoint. On resume `--set` may change only what does not change
 what the run trains (`RESUME_OVERRIDABLE`: its length, its display, its liveness deadlines), so
 `--resume RUN --set run.steps=16` extends a finished 8-step run; the change is written back to
-RUN/config.yaml (a later resume keeps it) and logged. Bad config: one line naming the key, exit 2,
-before any device work. Interrupted (SIGINT/SIGTERM): trials cancelled, sandboxes closed, a checkpoint
-written, exit 0.
+RUN/config.yaml (a later resume keeps it) and logged. Bad config, or a device split this host
+cannot give: one line naming it, exit 2, before the run directory is made or any device work.
+Interrupted (SIGINT/SIGTERM): trials cancelled, sandboxes closed, a checkpoint written, exit 0.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_overrides(pairs: list[str], *, flag: str = "--set") -> dict:
     """`KEY=VALUE` command-line overrides -> {KEY: value}, each value read as YAML
     (`t1jax.yamlio`); `flag` names the option in the one-line refusal of a malformed pair."""
-    from t1jax.cli import UsageError
+    from sandbox_service.cli_contract import UsageError
     from t1jax.yamlio import load_yaml
 
     out = {}
@@ -56,7 +56,21 @@ def parse_overrides(pairs: list[str], *, flag: str = "--set") -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from t1jax.cli import UsageError
+    from sandbox_service.cli_contract import checking_input
+
+    with checking_input():
+        overrides = parse_overrides(args.set)
+        config, run_dir, base_dir, resume = _open_run(args, overrides)
+    _configure_logging(run_dir, args.log_level)
+    if resume and overrides:
+        log.info("resumed with %s", ", ".join(f"{k}={v!r}" for k, v in overrides.items()))
+    return train(config, run_dir, resume=resume, base_dir=base_dir)
+
+
+def _open_run(args: argparse.Namespace, overrides: dict):
+    """The run's config and directory: the resumed one's, or a new one, made only once the config
+    and the devices it asks for have been checked (a refused run leaves nothing behind)."""
+    from sandbox_service.cli_contract import UsageError
     from t1jax.controller.config import (
         apply_overrides,
         load_run_config,
@@ -65,7 +79,6 @@ def run(args: argparse.Namespace) -> int:
     )
     from t1jax.controller.rundir import RunDir
 
-    overrides = parse_overrides(args.set)
     if args.resume is not None:
         for key in overrides:
             if not override_within(key, RESUME_OVERRIDABLE):
@@ -78,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         config = run_config_from_dict(raw, source=str(run_dir.path / "config.yaml"))
         base_dir = run_dir.path
         config.check(base_dir=base_dir)
+        check_devices(config)
         if overrides:
             run_dir.replace_config(config.resolved())
         resume = True
@@ -88,27 +102,33 @@ def run(args: argparse.Namespace) -> int:
         path = args.run_dir or Path("runs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         run_dir = RunDir(path)
         resolved = config.resolved()
+        check_devices(config)
         run_dir.create(resolved)
         resume = False
-    _configure_logging(run_dir, args.log_level)
-    if resume and overrides:
-        log.info("resumed with %s", ", ".join(f"{k}={v!r}" for k, v in overrides.items()))
-    return train(config, run_dir, resume=resume, base_dir=base_dir)
+    return config, run_dir, base_dir, resume
 
 
 def train(config, run_dir, *, resume: bool, base_dir: Path) -> int:
     """Check the split against the visible devices, then run the controller (the test suite and
     notebooks call this directly)."""
     from t1jax.controller.loop import Controller
+
+    check_devices(config)
+    return Controller(config, run_dir, resume=resume, base_dir=base_dir).run()
+
+
+def check_devices(config) -> None:
+    """Refuse a trainer / sampler split the visible devices cannot give (a `ConfigError`). On a
+    CPU host ask XLA for that many devices first (one otherwise; an accelerator ignores it).
+    Under Pathways the devices are the backend's, seen only once it is initialised."""
     from t1jax.host_devices import request_host_devices
 
-    if not config.run.pathways:
-        # a CPU host shows one device unless asked (t1jax.host_devices); an accelerator ignores it
-        request_host_devices(config.devices.trainer + config.devices.sampler)
-        import jax
+    if config.run.pathways:
+        return
+    request_host_devices(config.devices.trainer + config.devices.sampler)
+    import jax
 
-        config.check_devices(len(jax.devices()))
-    return Controller(config, run_dir, resume=resume, base_dir=base_dir).run()
+    config.check_devices(len(jax.devices()))
 
 
 def _configure_logging(run_dir, level: str) -> None:

@@ -14,7 +14,6 @@ import argparse
 import collections
 import sys
 import time
-import traceback
 from pathlib import Path
 
 
@@ -46,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     generate.add_argument("--families-per-category", type=int, default=12)
     generate.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    generate.set_defaults(prog="t1jax tasks generate")
     subset = actions.add_parser(
         "subset",
         help="copy K families per category of one split (covering its idioms) to a new directory",
@@ -56,14 +56,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     subset.add_argument("--split", default="train", choices=("train", "heldout"))
     subset.add_argument("--seed", type=int, default=0, help="breaks ties and fills each category")
     subset.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    subset.set_defaults(prog="t1jax tasks subset")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.tasks_action == "subset":
         return run_subset(args)
+    from sandbox_service.cli_contract import checking_input
     from t1jax.data.suite import SuiteConfig, generate_suite
 
-    try:
+    # generate_suite checks the directory and the split before it writes the first task (a bad
+    # count or a non-empty directory leaves nothing behind), so its errors are the input's.
+    with checking_input():
         config = SuiteConfig(
             n=args.n,
             seed=args.seed,
@@ -79,29 +83,22 @@ def run(args: argparse.Namespace) -> int:
                 print(f"tasks {done}/{total}", file=sys.stderr, flush=True)
 
         manifest = generate_suite(args.out, config, on_task=progress)
-    except (ValueError, FileExistsError, OSError) as error:
-        if args.debug:
-            traceback.print_exc()
-        print(f"t1jax tasks generate: {error}", file=sys.stderr)
-        return 2
     print(f"wrote {len(manifest['tasks'])} tasks to {args.out} in {time.monotonic() - started:.1f} s")
     print_summary(manifest)
     return 0
 
 
 def run_subset(args: argparse.Namespace) -> int:
+    from sandbox_service.cli_contract import UsageError, checking_input
     from t1jax.data.suite import read_manifest, select_families, write_subset
 
-    try:
+    with checking_input():
         manifest = read_manifest(args.suite)
-        families = select_families(manifest, args.split, args.families_per_category, args.seed)
+        try:
+            families = select_families(manifest, args.split, args.families_per_category, args.seed)
+        except KeyError as error:
+            raise UsageError(f"{args.suite}/manifest.json lacks {error}") from None
         subset = write_subset(args.suite, manifest, args.out, families)
-    except (ValueError, KeyError, FileExistsError, OSError) as error:
-        if args.debug:
-            traceback.print_exc()
-        message = f"{args.suite}/manifest.json lacks {error}" if isinstance(error, KeyError) else error
-        print(f"t1jax tasks subset: {message}", file=sys.stderr)
-        return 2
     idioms = {i for f in manifest["families"] if f["split"] == args.split for i in f["idioms"]}
     covered = {i for f in subset["families"] for i in f["idioms"]}
     print(f"wrote {len(subset['tasks'])} tasks of {len(families)} {args.split} families to {args.out}; "

@@ -58,11 +58,13 @@ def run(args: argparse.Namespace) -> int:
     from rich.live import Live
     from rich.table import Table
 
+    from sandbox_service.cli_contract import checking_input
     from t1jax.demo.driver import Demo, demo_verdict_holds, load_demo_config, render_markdown
 
-    config, base_dir = load_demo_config(args.config)
-    demo = Demo(config, base_dir, args.out, ablation=args.ablation, seed=args.seed,
-                campaigns=campaigns_from_args(args.campaign))  # fmt: skip
+    with checking_input():  # the demo's config and campaigns, before any stage runs
+        config, base_dir = load_demo_config(args.config)
+        demo = Demo(config, base_dir, args.out, ablation=args.ablation, seed=args.seed,
+                    campaigns=campaigns_from_args(args.campaign))  # fmt: skip
     console = Console(stderr=True)
     started = time.monotonic()
 

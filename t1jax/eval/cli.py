@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--url", default=None, help="a running sandbox service (else an in-process backend)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no live display (logs and CI)")
-    from sandbox_service.__main__ import add_backend_flags
+    from sandbox_service.providers import add_backend_flags
 
     add_backend_flags(parser)
 
@@ -87,8 +87,7 @@ def default_job_dir(settings_json: dict) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from t1jax.cli import UsageError
-    from t1jax.eval.job import EvalSettings
+    from sandbox_service.cli_contract import UsageError, checking_input
 
     if args.concurrency < 1:
         raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
@@ -98,7 +97,26 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--tasks {args.tasks} is not a directory")
     if args.agent == "model" and not args.checkpoint:
         raise UsageError("--agent model (the default) needs --checkpoint; or use --agent oracle / nop")
-    settings = EvalSettings(
+    if args.agent == "model":
+        from t1jax.eval.checkpoint import parse_dtype, resolve_checkpoint
+
+        with checking_input():
+            resolve_checkpoint(args.checkpoint)
+            parse_dtype(args.dtype)
+    with checking_input():
+        settings = _settings(args)
+    try:  # the harness's own checks, now rather than at the first trial
+        eval_harness(settings, settings.context_window, scripted=True)
+    except (TypeError, ValueError) as error:
+        where = f"--harness {args.harness}: " if args.harness is not None else ""
+        raise UsageError(f"{where}{error}") from None
+    return evaluate(settings, args)
+
+
+def _settings(args: argparse.Namespace):
+    from t1jax.eval.job import EvalSettings
+
+    return EvalSettings(
         tasks_dir=str(args.tasks.resolve()),
         agent=args.agent,
         checkpoint=args.checkpoint,
@@ -112,12 +130,6 @@ def run(args: argparse.Namespace) -> int:
         task_sample=args.task_sample,
         **harness_settings(args),
     )
-    try:  # the harness's own checks, now rather than at the first trial
-        eval_harness(settings, settings.context_window, scripted=True)
-    except (TypeError, ValueError) as error:
-        where = f"--harness {args.harness}: " if args.harness is not None else ""
-        raise UsageError(f"{where}{error}") from None
-    return evaluate(settings, args)
 
 
 # `HarnessConfig` fields an evaluation takes from a --harness file (the EvalSettings fields of the
@@ -149,7 +161,7 @@ def harness_settings(args: argparse.Namespace) -> dict:
 def read_harness_file(path: Path) -> dict:
     import yaml
 
-    from t1jax.cli import UsageError
+    from sandbox_service.cli_contract import UsageError
 
     try:
         data = yaml.safe_load(path.read_text())
@@ -168,11 +180,12 @@ def read_harness_file(path: Path) -> dict:
 
 def evaluate(settings, args: argparse.Namespace) -> int:
     """Build the agent, the sandboxes and the scheduler, run the job, print the table."""
+    from sandbox_service.cli_contract import UsageError, checking_input
     from sandbox_service.signals import StopOnSignal
     from sandbox_service.tasks import load_dataset
-    from t1jax.cli import UsageError
 
-    dataset = load_dataset(settings.tasks_dir)
+    with checking_input():
+        dataset = load_dataset(settings.tasks_dir)
     if not dataset.tasks and not dataset.errors:
         raise UsageError(f"no tasks found under {settings.tasks_dir}")
     # While the trials run, SIGINT / SIGTERM stop the job at its next poll: its running trials
@@ -327,10 +340,10 @@ class sandbox_provider:
 
             self.controller = SandboxServiceClient(self.args.url)
         else:
-            from sandbox_service.__main__ import build_backend
+            from sandbox_service import ProviderSettings, open_provider
             from sandbox_service.admission import AdmissionConfig, AdmissionController
 
-            self.backend = build_backend(self.args)
+            self.backend = open_provider(ProviderSettings.from_args(self.args))
             config = AdmissionConfig(max_live_sandboxes=self.args.concurrency, create_rate_per_sec=None)
             self.controller = AdmissionController(self.backend, config)
         self.controller.leak_check(self.run_id)  # a killed run of this job left these behind

@@ -239,18 +239,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(job_dir: Path) -> JobOutcomes:
-    from t1jax.cli import UsageError
+    from sandbox_service.cli_contract import UsageError, checking_input
 
     if not job_dir.is_dir():
         raise UsageError(f"{job_dir}: no such job directory")
-    outcomes = JobOutcomes(job_dir)
+    with checking_input():  # a result.json that is not one
+        outcomes = JobOutcomes(job_dir)
     if not outcomes.resolved:
         raise UsageError(f"{job_dir}: no trial results (*/result.json); is it a `t1jax eval` job directory?")
     return outcomes
 
 
 def run(args: argparse.Namespace) -> int:
-    from t1jax.cli import UsageError
+    from sandbox_service.cli_contract import UsageError
 
     if args.per_family is not None and (args.pool or len(args.jobs) != 1):
         raise UsageError("--per-family takes one JOB and one BASE, not --pool")
@@ -309,7 +310,7 @@ def _print_subsamples(subsamples: Sequence[Subsample]) -> None:
 
 
 def _run_pooled(args: argparse.Namespace) -> int:
-    from t1jax.cli import UsageError
+    from sandbox_service.cli_contract import UsageError
 
     if len(args.jobs) != len(args.against) or len(args.jobs) < 2:
         raise UsageError(f"--pool pairs the k-th JOB with the k-th BASE: give as many of each, at least 2 "

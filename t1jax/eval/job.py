@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sandbox_service.cli_contract import UsageError
 from sandbox_service.contracts import EnvironmentAudit, Task, VerifierReport
 from t1jax.eval.passk import bootstrap_interval, cluster_names, mean_pass_at_k, resampled_units
 from t1jax.rollout.types import SamplingParams
@@ -437,7 +438,7 @@ class EvalJob:
                     if existing.get("settings", {}).get(key) != config["settings"].get(key)
                 )
                 differ = ", ".join(changed) or "format"
-                raise ValueError(
+                raise UsageError(  # the --out of another job: refused before any trial runs
                     f"{self.job_dir} holds a job with other settings ({differ} differ); "
                     "resume it with the same arguments or pass another --out"
                 )

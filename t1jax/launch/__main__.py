@@ -4,12 +4,12 @@ YAML (stdout by default). Bad parameters or a manifest the API would reject: one
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import yaml
 
+from sandbox_service.cli_contract import OneLineArgumentParser, UsageError, checking_input, run_command
 from t1jax.launch.manifests import LaunchParams, manifest_names, render_manifests
 from t1jax.launch.validate import DEFAULT_KUBERNETES_VERSION, ManifestError, validate_manifests
 from t1jax.yamlio import load_yaml
@@ -20,7 +20,7 @@ def rendered_yaml(manifests) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m t1jax.launch")
+    parser = OneLineArgumentParser(prog="python -m t1jax.launch")
     commands = parser.add_subparsers(dest="command", required=True)
     render = commands.add_parser("render", help="render and validate a run's Kubernetes manifests")
     render.add_argument("params", type=Path, help="YAML mapping of LaunchParams fields")
@@ -28,18 +28,19 @@ def main(argv=None) -> int:
     render.add_argument("--kubernetes-version", default=DEFAULT_KUBERNETES_VERSION)
     render.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
-    try:
+    return run_command(f"python -m t1jax.launch {args.command}", lambda: _render(args), debug=args.debug)
+
+
+def _render(args) -> int:
+    with checking_input(TypeError, yaml.YAMLError):
         values = load_yaml(args.params.read_text())
         if not isinstance(values, dict):
-            raise ValueError(f"{args.params} must hold a mapping of launch parameters")
+            raise UsageError(f"{args.params} must hold a mapping of launch parameters")
         manifests = render_manifests(LaunchParams.from_mapping(values))
-        validate_manifests(manifests, args.kubernetes_version)
-    except (OSError, ValueError, TypeError, yaml.YAMLError) as error:
-        if args.debug:
-            raise
-        kind = "invalid manifest" if isinstance(error, ManifestError) else "bad launch parameters"
-        print(f"t1jax launch: {kind}: {error}", file=sys.stderr)
-        return 2
+        try:
+            validate_manifests(manifests, args.kubernetes_version)
+        except ManifestError as error:
+            raise UsageError(f"invalid manifest: {error}") from error
     text = rendered_yaml(manifests)
     if args.out is None:
         sys.stdout.write(text)

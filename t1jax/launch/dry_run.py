@@ -44,6 +44,8 @@ import sys
 import time
 from pathlib import Path
 
+from sandbox_service.cli_contract import UsageError, checking_input
+
 # HBM per JAX device (one device per chip on these generations), GiB: the planner's budget M.
 DEVICE_MEMORY_GIB = {"v4": 32.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0}
 DEVICES_PER_CHIP = {"v4": 1, "v5e": 1, "v5p": 1, "v6e": 1}
@@ -100,13 +102,13 @@ def _trainer_plan(config):
     try:
         return ShardingPlan.from_mapping({**mesh, "name": "trainer.mesh"}, source="trainer.mesh")
     except TypeError as error:
-        raise ValueError(f"trainer.mesh: {error}") from error
+        raise UsageError(f"trainer.mesh: {error}") from error
 
 
 def _device_checks(config, plan) -> tuple[Check, int]:
     launch = config.launch
     if launch.tpu_type not in DEVICES_PER_CHIP:
-        raise ValueError(
+        raise UsageError(
             f"launch.tpu_type {launch.tpu_type!r}: the dry run knows the devices per chip of "
             f"{sorted(DEVICES_PER_CHIP)} only"
         )
@@ -303,30 +305,35 @@ def _manifest_check(config, out: Path, kubernetes_version: str | None) -> Check:
 
 
 def dry_run(args: argparse.Namespace) -> list[Check]:
-    """Every check of the module docstring, in order; bad input raises ValueError."""
+    """Every check of the module docstring, in order; bad input raises `UsageError` (a check that
+    fails is a FAIL verdict, not an exception)."""
     from t1jax.controller.config import load_run_config
     from t1jax.model.config import load_config
 
     start = time.perf_counter()
-    config = load_run_config(args.config, check_paths=False).with_absolute_paths(args.config.parent)
+    with checking_input():
+        config = load_run_config(args.config, check_paths=False).with_absolute_paths(args.config.parent)
     if config.launch is None:
-        raise ValueError(
+        raise UsageError(
             f"{args.config}: no launch: section (the TPU pod deployment, t1jax.launch.LaunchParams)"
         )
     base_dir = args.config.parent
     checks = [Check("config", PASS, f"{args.config} (run {config.run.name!r}, {config.run.steps} steps)",
                     time.perf_counter() - start)]  # fmt: skip
     checks.append(_location_check(config))
-    plan = _trainer_plan(config)
+    with checking_input():
+        plan = _trainer_plan(config)
     device_check, rows = _device_checks(config, plan)
     checks.append(device_check)
-    execution = config.model.execution_config(base_dir)
+    with checking_input():
+        execution = config.model.execution_config(base_dir)
     checks.append(_kernel_check(execution, plan))
     if not config.model.preset:
-        raise ValueError(
+        raise UsageError(
             "model.preset: the dry run needs the architecture preset (the checkpoint is the pod's)"
         )
-    model_config = load_config(config.model.preset)
+    with checking_input():
+        model_config = load_config(config.model.preset)
     memory = args.memory_gb or DEVICE_MEMORY_GIB.get(config.launch.tpu_type)
     tokens = config.rl.batching.row_length_buckets[-1]
     dtype = config.model.dtype
@@ -354,8 +361,6 @@ def verdict_table(checks: list[Check]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from t1jax.cli import UsageError
-
     if not args.dry_run:
         raise UsageError(
             "only --dry-run is implemented: apply the manifests it writes with `kubectl apply -f`"

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import traceback
 from pathlib import Path
 
 
@@ -41,34 +39,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from sandbox_service.cli_contract import UsageError, checking_input
     from t1jax.sft.train import load_sft_config, run_sft
 
-    try:
+    with checking_input():
         config = load_sft_config(args.config)
-        if args.init is not None:
-            config = dataclasses.replace(config, init=str(Path(args.init).resolve()))
-        if args.epochs is not None:
-            config = dataclasses.replace(
-                config, training=dataclasses.replace(config.training, epochs=args.epochs)
-            )
-        if args.seed is not None:
-            config = dataclasses.replace(config, seed=args.seed)
-        if config.init is not None and not (Path(config.init) / "config.json").is_file():
-            raise ValueError(f"init checkpoint {config.init} has no config.json")
-        if args.demonstrations is not None:
-            if args.tasks is not None or args.collect_only:
-                raise ValueError("--demonstrations replaces --tasks and --collect-only")
-        elif args.tasks is None:
-            raise ValueError("give --tasks (the tasks to demonstrate) or --demonstrations RUN")
-        elif not args.tasks.is_dir():
-            raise ValueError(f"--tasks {args.tasks} is not a directory")
-        summary = run_sft(
-            config, args.tasks, args.out, collect_only=args.collect_only, demonstrations=args.demonstrations
-        )
-    except (ValueError, FileExistsError, FileNotFoundError) as error:
-        if args.debug:
-            traceback.print_exc()
-        print(f"t1jax sft: {error}", file=sys.stderr)
-        return 2
+    if args.init is not None:
+        config = dataclasses.replace(config, init=str(Path(args.init).resolve()))
+    if args.epochs is not None:
+        training = dataclasses.replace(config.training, epochs=args.epochs)
+        config = dataclasses.replace(config, training=training)
+    if args.seed is not None:
+        config = dataclasses.replace(config, seed=args.seed)
+    if config.init is not None and not (Path(config.init) / "config.json").is_file():
+        raise UsageError(f"init checkpoint {config.init} has no config.json")
+    if args.demonstrations is not None:
+        if args.tasks is not None or args.collect_only:
+            raise UsageError("--demonstrations replaces --tasks and --collect-only")
+    elif args.tasks is None:
+        raise UsageError("give --tasks (the tasks to demonstrate) or --demonstrations RUN")
+    elif not args.tasks.is_dir():
+        raise UsageError(f"--tasks {args.tasks} is not a directory")
+    # run_sft raises UsageError for what it checks before its work (the output directory, the
+    # tasks, the demonstrations' harness, the habits); anything later is a failure (exit 1)
+    summary = run_sft(
+        config, args.tasks, args.out, collect_only=args.collect_only, demonstrations=args.demonstrations
+    )
     print(json.dumps(summary, indent=1))
     return 0

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sandbox_service.cli_contract import UsageError, checking_input
 from t1jax.agent.harness import HarnessConfig, TerminalMode
 from t1jax.yamlio import load_yaml
 
@@ -187,17 +188,17 @@ def run_sft(
 
     say = progress or (lambda message: print(message, file=sys.stderr, flush=True))
     if collect_only and demonstrations is not None:
-        raise ValueError("collect_only and demonstrations exclude each other")
+        raise UsageError("collect_only and demonstrations exclude each other")
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new --out")
+        raise UsageError(f"{out_dir} exists and is not empty; choose a new --out")
     timings: dict[str, float] = {}
 
     # 1-2. demonstrations: collected now, or read from an earlier collection
     started = time.monotonic()
     if demonstrations is None:
         if tasks_dir is None:
-            raise ValueError("give the tasks to demonstrate, or a directory of collected demonstrations")
+            raise UsageError("give the tasks to demonstrate, or a directory of collected demonstrations")
         records, samples, num_tasks = _collect(config, tasks_dir, out_dir, sandboxes, say)
         save_samples(out_dir / SAMPLES_FILE, samples)
     else:
@@ -220,7 +221,7 @@ def run_sft(
     longest = max(len(s.tokens) - 1 for s in samples)
     buckets = config.training.row_length_buckets
     if longest > buckets[-1]:
-        raise ValueError(
+        raise UsageError(
             f"a demonstration has {longest} rows, more than the largest row bucket {buckets[-1]} "
             f"(raise training.row_length_buckets or lower harness.context_window)"
         )
@@ -306,13 +307,15 @@ def _collect(config: SFTConfig, tasks_dir, out_dir: Path, sandboxes, say) -> tup
     from t1jax.sft.demonstrator import load_plan
     from t1jax.sft.demos import check_habits, collect_demonstrations
 
-    dataset = load_dataset(tasks_dir)
+    with checking_input():
+        dataset = load_dataset(tasks_dir)
     if dataset.errors:
-        raise ValueError(f"{tasks_dir}: {len(dataset.errors)} tasks do not load; first: {dataset.errors[0]}")
+        raise UsageError(f"{tasks_dir}: {len(dataset.errors)} tasks do not load; first: {dataset.errors[0]}")
     if not dataset.tasks:
-        raise ValueError(f"{tasks_dir}: no tasks found")
+        raise UsageError(f"{tasks_dir}: no tasks found")
     # before the output directory exists, so a corrected command can reuse the same --out
-    check_habits([load_plan(task) for task in dataset.tasks], config.demonstrations.habits)
+    with checking_input():
+        check_habits([load_plan(task) for task in dataset.tasks], config.demonstrations.habits)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config_record(config), indent=1) + "\n")
     started = time.monotonic()
@@ -350,14 +353,14 @@ def _collected(config: SFTConfig, source: Path) -> tuple[list[dict], list, int]:
     files = [source / name for name in ("config.json", "demonstrations.jsonl", SAMPLES_FILE)]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise FileNotFoundError(
+        raise UsageError(
             f"--demonstrations {source}: no {', '.join(missing)} (collect them with t1jax sft --collect-only)"
         )
     theirs = json.loads(files[0].read_text()).get("harness")
     ours = config_record(config)["harness"]
     if theirs != ours:
         differ = sorted(k for k in set(theirs or {}) | set(ours) if (theirs or {}).get(k) != ours.get(k))
-        raise ValueError(f"--demonstrations {source} were run with another harness (differs in {differ})")
+        raise UsageError(f"--demonstrations {source} were run with another harness (differs in {differ})")
     records = [json.loads(line) for line in files[1].read_text().splitlines() if line.strip()]
     return records, load_samples(files[2]), len({r["task_id"] for r in records})
 
@@ -382,12 +385,12 @@ def _demonstration_summary(records: list[dict], samples: list, num_tasks: int) -
 
 
 def _local_sandboxes(max_live: int):
+    from sandbox_service import ProviderSettings, open_provider
     from sandbox_service.admission import AdmissionConfig, AdmissionController
-    from sandbox_service.backends.local import LocalBackend
     from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR, setup_toolchain
 
     toolchain = setup_toolchain(REPO_ROOT / DEFAULT_TOOLCHAIN_DIR, quiet=True).directory
-    backend = LocalBackend(toolchain_dir=toolchain)
+    backend = open_provider(ProviderSettings(backend="local", toolchain_dir=toolchain))
     admission = AdmissionController(
         backend, AdmissionConfig(max_live_sandboxes=max_live, create_rate_per_sec=None)
     )

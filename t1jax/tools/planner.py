@@ -19,6 +19,7 @@ import dataclasses
 from collections import Counter
 from pathlib import Path
 
+from sandbox_service.cli_contract import UsageError, checking_input
 from t1jax.model.config import Qwen35MoeConfig, load_config
 from t1jax.model.execution import load_execution
 from t1jax.parallel import capacity
@@ -161,25 +162,52 @@ def _assumptions(args: argparse.Namespace) -> capacity.MemoryAssumptions:
     ).with_execution(execution)
 
 
+def _pipelines(text: str) -> list[int]:
+    """`--pipeline 1,2,4` -> [1, 2, 4]; each degree a whole number >= 1."""
+    try:
+        degrees = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise UsageError(f"--pipeline takes comma-separated whole numbers, got {text!r}") from None
+    if not degrees or min(degrees) < 1:
+        raise UsageError(f"--pipeline degrees must be >= 1, got {text!r}")
+    return degrees
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for flag, value, least in (("--devices", args.devices, 1), ("--tokens", args.tokens, 1),
+                               ("--rows", args.rows, 1), ("--top", args.top, 0),
+                               ("--retained-versions", args.retained_versions, 0)):  # fmt: skip
+        if value is not None and value < least:
+            raise UsageError(f"{flag} must be >= {least}, got {value}")
+    if not args.memory_gb > 0:
+        raise UsageError(f"--memory-gb must be > 0, got {args.memory_gb:g}")
+    if not 0 <= args.residue_fraction < 1:
+        raise UsageError(f"--residue-fraction must be in [0, 1), got {args.residue_fraction:g}")
+
+
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    _check_numbers(args)
+    with checking_input():
+        config = load_config(args.config)
     if args.calibrate:
         return _calibrate(args)
-    assumptions = _assumptions(args)
-    calibration = (
-        capacity.Calibration.load(args.calibration) if args.calibration else capacity.default_calibration()
-    )
+    with checking_input():
+        assumptions = _assumptions(args)
+        if args.calibration:
+            calibration = capacity.Calibration.load(args.calibration)
+        else:
+            calibration = capacity.default_calibration()
+        if args.plan:
+            plans = [load_plan(name) for name in args.plan]
     budget = args.memory_gb * GIB
     if args.plan:
-        plans = [load_plan(name) for name in args.plan]
         plans = [dataclasses.replace(p, remat=args.remat) if args.remat != p.remat else p for p in plans]
         devices = {p.devices for p in plans}
         device_text = "/".join(str(d) for d in sorted(devices))
     else:
         if not args.devices:
-            raise ValueError("give --devices (or --plan)")
-        pipelines = [int(p) for p in args.pipeline.split(",") if p]
-        plans = capacity.candidate_plans(args.devices, pipelines=pipelines, remat=args.remat)
+            raise UsageError("give --devices (or --plan)")
+        plans = capacity.candidate_plans(args.devices, pipelines=_pipelines(args.pipeline), remat=args.remat)
         device_text = str(args.devices)
 
     estimates = []
@@ -273,7 +301,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     import jax
 
     if jax.default_backend() == "cpu" and len(jax.devices()) < 8:
-        raise ValueError(
+        raise UsageError(
             "--calibrate compiles 2- and 4-device plans: run it with 8 CPU devices, e.g. "
             "XLA_FLAGS=--xla_force_host_platform_device_count=8 t1jax plan --calibrate ..."
         )

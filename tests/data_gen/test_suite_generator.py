@@ -224,7 +224,7 @@ def test_cli_writes_a_suite_and_refuses_bad_input(tmp_path):
     per_family = cli("--out", str(tmp_path / "w"), "--n", "30", "--heldout-per-family", "0")
     assert per_family.returncode == 2 and not (tmp_path / "w").exists()
     assert per_family.stderr.strip().splitlines() == [
-        "t1jax tasks generate: heldout_per_family must be an integer >= 1, got 0"
+        "t1jax tasks generate: error: heldout_per_family must be an integer >= 1, got 0"
     ]
 
 
