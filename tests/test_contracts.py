@@ -1,4 +1,5 @@
-"""The cross-part records reject streams whose lengths disagree (DESIGN.md contracts)."""
+"""The cross-part records reject streams whose lengths disagree (docs/design.md, "Contracts and
+their invariants")."""
 
 import numpy as np
 import pytest

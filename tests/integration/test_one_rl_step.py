@@ -1,4 +1,4 @@
-"""One RL step end to end, without a controller: DESIGN.md "Data flow (one RL step)" by hand.
+"""One RL step end to end, without a controller: docs/design.md "Data flow of one RL step" by hand.
 
 The parts meet here exactly as the controller will wire them: tasks loaded from a Harbor /
 Terminal-Bench directory, sandboxes from the local bubblewrap backend behind admission control,
