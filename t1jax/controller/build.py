@@ -68,9 +68,12 @@ def load_models(config: RunConfig, base_dir: Path):
             dtype=dtype,
             param_dtype=param_dtype,
             seed=model.init_seed + 1,
+            value_head_std=model.value_head_std,
         )
     else:
-        critic = Qwen35MoeCritic.from_actor(actor, rngs=nnx.Rngs(model.init_seed + 1))
+        critic = Qwen35MoeCritic.from_actor(
+            actor, rngs=nnx.Rngs(model.init_seed + 1), value_head_std=model.value_head_std
+        )
     execution = model.execution_config(base_dir)
     if execution != DEFAULT_EXECUTION:  # the kernels the config pins (model.execution or the preset's)
         actor, critic = with_execution(actor, execution), with_execution(critic, execution)

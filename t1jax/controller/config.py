@@ -79,6 +79,9 @@ class ModelSection:
     dtype: str = "float32"  # compute dtype
     param_dtype: str | None = None  # storage dtype (None: dtype); bf16 params get float32 masters
     init_seed: int = 0
+    # A fresh value head's kernel std (`t1jax.model.critic.ValueHead`): None = the preset's
+    # initializer_range, 0 = a zero kernel (the critic starts predicting a constant, EV 0)
+    value_head_std: float | None = None
     # ExecutionConfig fields (kernels, blocks, layer scan); None: the preset's `execution:` section
     execution: Mapping[str, Any] | None = None
 

@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="added to every training and evaluation seed (not the suite's): a second seed's run",
     )  # fmt: skip
     parser.add_argument(
+        "--suite-seed", type=int, default=None,
+        help="the task suite's seed instead of the config's tasks.seed: other train and held-out families",
+    )  # fmt: skip
+    parser.add_argument(
         "--campaign", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
         help="another RL campaign from the same SFT: rl-NAME then --set overrides of the rl stage, "
              "e.g. --campaign rl-lr6 rl.actor_optimizer.learning_rate=6e-4; repeatable",
@@ -59,12 +63,18 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from sandbox_service.cli_contract import checking_input
-    from t1jax.demo.driver import Demo, demo_verdict_holds, load_demo_config, render_markdown
+    from t1jax.demo.driver import (
+        Demo,
+        ablation_verdicts_hold,
+        demo_verdict_holds,
+        load_demo_config,
+        render_markdown,
+    )
 
     with checking_input():  # the demo's config and campaigns, before any stage runs
         config, base_dir = load_demo_config(args.config)
         demo = Demo(config, base_dir, args.out, ablation=args.ablation, seed=args.seed,
-                    campaigns=campaigns_from_args(args.campaign))  # fmt: skip
+                    suite_seed=args.suite_seed, campaigns=campaigns_from_args(args.campaign))  # fmt: skip
     console = Console(stderr=True)
     started = time.monotonic()
 
@@ -101,6 +111,6 @@ def run(args: argparse.Namespace) -> int:
         with Live(console=console, refresh_per_second=1) as live:
             summary = demo.run(lambda stages, running: live.update(table(stages, running)))
     Console().print(render_markdown(summary))
-    if args.ablation:  # the ablation reports whichever way it comes out
-        return 0
+    if args.ablation:
+        return 0 if ablation_verdicts_hold(summary["verdicts"]) else 1
     return 0 if demo_verdict_holds(summary["verdicts"]) else 1

@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -111,6 +112,26 @@ class TrainStage:
 
 
 @dataclass(frozen=True)
+class WarmupStage(TrainStage):
+    """The critic warm-up (paper §4.5): a `t1jax train` run with the actor held, whose critic seeds
+    every RL campaign that shares it.
+
+    `epochs`: its length in passes over RL's task pool (`run.steps` = ceil(epochs x pool tasks /
+    schedule.batch_size), counted when the stage starts, once the pool exists); None: the run
+    config's `run.steps`. `min_explained_variance`: the gate before RL (the `critic gate` stage):
+    the explained variance (Eq. 19) of the warm-up's last step, measured with the critic as it was
+    before that step's update on rollouts it had never seen, must reach it, else the demo stops
+    before RL, naming the value. None: no gate."""
+
+    epochs: float | None = None
+    min_explained_variance: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.epochs is not None and not self.epochs > 0:
+            raise ValueError(f"warmup.epochs must be > 0 or null, got {self.epochs!r}")
+
+
+@dataclass(frozen=True)
 class SftStage:
     config: str = "sft.yaml"
 
@@ -168,7 +189,7 @@ class DemoConfig:
     tasks: TasksStage = field(default_factory=TasksStage)
     base: BaseStage = field(default_factory=BaseStage)
     sft: SftStage = field(default_factory=SftStage)
-    warmup: TrainStage = field(default_factory=TrainStage)
+    warmup: WarmupStage = field(default_factory=WarmupStage)
     rl: TrainStage = field(default_factory=TrainStage)
     eval: EvalStage = field(default_factory=EvalStage)
     pipeline: PipelineStage = field(default_factory=PipelineStage)
@@ -183,7 +204,7 @@ def load_demo_config(path: str | Path) -> tuple[DemoConfig, Path]:
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise ConfigError(f"{path}: {unknown[0]}: unknown section (known: {', '.join(known)})")
-    hints = {"tasks": TasksStage, "base": BaseStage, "sft": SftStage, "warmup": TrainStage, "rl": TrainStage,
+    hints = {"tasks": TasksStage, "base": BaseStage, "sft": SftStage, "warmup": WarmupStage, "rl": TrainStage,
              "eval": EvalStage, "pipeline": PipelineStage}  # fmt: skip
     sections = {name: section_from_dict(hints[name], raw.get(name), name) for name in hints}
     return DemoConfig(**sections), path.resolve().parent
@@ -204,6 +225,19 @@ RL_ONLY_OVERRIDES = ("rl.actor_optimizer", "rl.ppo.clip_eps", "rl.ppo.actor_epoc
                      "logging")  # fmt: skip
 CAMPAIGN_NAME = re.compile(r"rl-[a-z0-9][a-z0-9_.-]*")
 
+# `--ablation`: the paper's two single-axis comparisons, each a campaign that differs from the
+# demo's RL in one thing. `rl-loo`: the actor's baseline is the mean reward of the task's other
+# rollouts (leave-one-out, GRPO-like, §9.4's alternative) instead of the critic; the same
+# trajectories a step (schedule.batch_size of launch_size), drawn as groups of 4 rollouts of a
+# task instead of one rollout each, from the same SFT actor and warm-up critic (both overrides are
+# RL-only). `rl-binary`: the binary reward instead of the test count (§5), with its own warm-up
+# (the critic fits the reward it will baseline).
+LOO_ROLLOUTS_PER_TASK = 4
+ABLATION_CAMPAIGNS: dict[str, dict[str, Any]] = {
+    "rl-loo": {"schedule.rollouts_per_task": LOO_ROLLOUTS_PER_TASK, "rl.advantages.baseline": "task"},
+    "rl-binary": {"rl.reward.kind": "binary"},
+}
+
 
 def demo_verdict_holds(verdicts: Mapping[str, Mapping[str, Any]]) -> bool:
     """`make demo`'s verdict from a summary's verdicts: the demo's own RL beats SFT and SFT beats
@@ -211,6 +245,17 @@ def demo_verdict_holds(verdicts: Mapping[str, Mapping[str, Any]]) -> bool:
     a --campaign's) are reported, not judged."""
     own = [v for name, v in verdicts.items() if name.split(" ")[0] in ("rl>sft", "sft>base")]
     return bool(own) and all(v["beyond_noise"] for v in own)
+
+
+def ablation_verdicts_hold(verdicts: Mapping[str, Mapping[str, Any]]) -> bool:
+    """`make ablation`'s verdict: the demo's own (`demo_verdict_holds`), and the paper's choice
+    beats each ablated alternative beyond the noise in every evaluation mode (`rl>rl-loo`: the
+    critic's advantages over the leave-one-out baseline; `rl>rl-binary`: the test-count reward
+    over the binary one). An alternative not yet evaluated does not hold."""
+    wanted = {f"rl>{name}" for name in ABLATION_CAMPAIGNS}
+    ablated = [v for name, v in verdicts.items() if name.split(" ")[0] in wanted]
+    found = {name.split(" ")[0] for name in verdicts} & wanted
+    return demo_verdict_holds(verdicts) and found == wanted and all(v["beyond_noise"] for v in ablated)
 
 
 def rl_only(key: str) -> bool:
@@ -235,12 +280,15 @@ class Stage:
         action=None,
         workdir: Path | None = None,
         needs: tuple[str, ...] = (),
+        late_args: Callable[[], list[str]] | None = None,
     ):
         # `workdir`: what the stage writes; an incomplete one (a stage stopped midway) is removed
         # before the stage runs again, since the commands refuse a non-empty output directory.
         # `needs`: the stages whose output this one reads; it starts only once they are complete.
+        # `late_args`: arguments appended to `command` when the stage starts, computed from what
+        # the stages it needs wrote (the warm-up's length from RL's pool).
         self.name, self.command, self.done, self.action = name, command, done, action
-        self.workdir, self.needs = workdir, tuple(needs)
+        self.workdir, self.needs, self.late_args = workdir, tuple(needs), late_args
         self.seconds = 0.0
         self.cpu_seconds = 0.0  # user + system CPU time of the stage's process and its children
         self.skipped = False
@@ -271,6 +319,27 @@ class Stage:
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
+
+
+class StageFailed(Exception):
+    """An in-process stage (`Stage.action`) found that the pipeline must not go on: a failure of
+    that stage, reported like a command's, not an error of the driver."""
+
+
+def _metric_series(path: Path, key: str) -> list[float]:
+    """`key`'s value at each step of a run's metrics.jsonl that has it, in step order (a torn last
+    line, from a run stopped mid-write, is skipped)."""
+    if not path.is_file():
+        return []
+    values = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get(key), (int, float)):
+            values.append(float(record[key]))
+    return values
 
 
 @contextlib.contextmanager
@@ -378,7 +447,12 @@ def run_stages(
                     break
                 pending.remove(ready)
                 began = time.monotonic()
-                process = start(ready)
+                try:
+                    process = start(ready)
+                except StageFailed as error:  # an in-process stage's own verdict, not a crash
+                    ready.seconds = time.monotonic() - began
+                    failures.append(str(error))
+                    continue
                 if process is None:
                     finish(ready, 0, began, 0.0)
                 else:
@@ -415,8 +489,12 @@ def run_stages(
 
 class Demo:
     def __init__(self, config: DemoConfig, base_dir: Path, out: Path, *, quiet: bool = False,
-                 ablation: bool = False, seed: int = 0,
+                 ablation: bool = False, seed: int = 0, suite_seed: int | None = None,
                  campaigns: Mapping[str, Mapping[str, Any]] | None = None):  # fmt: skip
+        # `suite_seed` replaces tasks.seed: another draw of the suite's families (train and
+        # held-out), so a result can be checked on families no configuration was chosen on.
+        if suite_seed is not None:
+            config = dataclasses.replace(config, tasks=dataclasses.replace(config.tasks, seed=suite_seed))
         # Absolute: the stages' path overrides (`t1jax train --set tasks.directory=...`) are read
         # relative to their config file's directory, not to where the demo was started.
         self.config, self.base_dir, self.out, self.quiet = config, base_dir, Path(out).absolute(), quiet
@@ -427,7 +505,7 @@ class Demo:
         # ablation adds the binary-reward campaign, identical to `rl` but for the reward.
         self.campaigns: dict[str, dict[str, Any]] = {"rl": {}}
         if ablation:
-            self.campaigns["rl-binary"] = {"rl.reward.kind": "binary"}
+            self.campaigns.update(ABLATION_CAMPAIGNS)
         # `campaigns`: more RL runs from the same SFT checkpoint (`t1jax demo --campaign`), each
         # the demo's rl stage plus its overrides; checked now, before any stage runs.
         for name, overrides in (campaigns or {}).items():
@@ -504,12 +582,18 @@ class Demo:
                 command = self._train_command(warmup.name, c.warmup, warmup_overrides(overrides), actor=sft,
                                               critic=None)  # fmt: skip
                 stages.append(Stage(warmup.name, command, warmup / "status.json", workdir=warmup,
-                                    needs=("sft", *rl_tasks_ready)))  # fmt: skip
+                                    needs=("sft", *rl_tasks_ready),
+                                    late_args=self._warmup_steps(warmup_overrides(overrides))))  # fmt: skip
+                if c.warmup.min_explained_variance is not None:
+                    stages.append(Stage(self.gate_name(warmup.name), None, self.gate_marker(warmup.name),
+                                        action=lambda w=warmup.name: self._check_critic(w),
+                                        needs=(warmup.name,)))  # fmt: skip
         for name, overrides in self.campaigns.items():
             warmup = self.warmup_dir(name)
             command = self._train_command(name, c.rl, overrides, actor=sft, critic=warmup)
+            gate = (self.gate_name(warmup.name),) if c.warmup.min_explained_variance is not None else ()
             stages.append(Stage(name, command, out / name / "status.json", workdir=out / name,
-                                needs=(warmup.name,)))  # fmt: skip
+                                needs=(warmup.name, *gate)))  # fmt: skip
         for name, checkpoint in self.checkpoints.items():
             for mode in self.modes:
                 job = self.eval_dir / f"{name}-{mode}"
@@ -642,6 +726,59 @@ class Demo:
             command += ["--set", f"{key}={json.dumps(value)}"]
         return command
 
+    def _warmup_steps(self, overrides: dict[str, Any]) -> Callable[[], list[str]] | None:
+        """With `warmup.epochs`: the warm-up's `--set run.steps=N` for that many passes over RL's
+        pool, counted when the stage starts (once the pool exists); else None (the config's)."""
+        stage = self.config.warmup
+        if stage.epochs is None:
+            return None
+
+        def steps() -> list[str]:
+            batch = self._run_config(stage, overrides).schedule.batch_size
+            return ["--set", f"run.steps={max(1, math.ceil(stage.epochs * self.rl_pool_size() / batch))}"]
+
+        return steps
+
+    def rl_pool_size(self) -> int:
+        """How many tasks RL's pool holds (each a directory with its own task file)."""
+        from sandbox_service.tasks import load_dataset
+
+        return len(load_dataset(self.rl_pool).tasks)
+
+    @staticmethod
+    def gate_name(warmup: str) -> str:
+        return f"critic gate {warmup}"
+
+    def gate_marker(self, warmup: str) -> Path:
+        return self.logs / f"critic-gate-{warmup}.json"
+
+    def critic_record(self, warmup: str) -> dict[str, Any] | None:
+        """The warm-up's critic, read from its metrics: the explained variance (Eq. 19, on each
+        step's fresh rollouts, before that step's update) at its first step (the fresh value head)
+        and at its last (the critic as RL receives it, less one update), and the gate's
+        threshold; None before the warm-up has a step."""
+        steps = _metric_series(self.out / warmup / "metrics.jsonl", "critic/explained_variance")
+        if not steps:
+            return None
+        return {"steps": len(steps), "ev_first": steps[0], "ev_last": steps[-1],
+                "min_explained_variance": self.config.warmup.min_explained_variance}  # fmt: skip
+
+    def _check_critic(self, warmup: str) -> None:
+        """The gate before RL: a `StageFailed` naming the values unless the warm-up's last
+        explained variance reaches `warmup.min_explained_variance`; else its marker."""
+        record = self.critic_record(warmup)
+        threshold = self.config.warmup.min_explained_variance
+        if record is None:
+            raise StageFailed(f"critic gate: {self.out / warmup}/metrics.jsonl has no explained variance")
+        if not record["ev_last"] >= threshold:
+            raise StageFailed(
+                f"critic gate: the warm-up ({warmup}, {record['steps']} steps) ended at explained "
+                f"variance {record['ev_last']:+.3f} (first step {record['ev_first']:+.3f}), below "
+                f"warmup.min_explained_variance {threshold:+.3f}: RL not started (a critic that "
+                f"explains less adds variance to the advantages it is the only baseline of)"
+            )
+        self.gate_marker(warmup).write_text(json.dumps(record) + "\n")
+
     def _eval_command(self, name: str, checkpoint: Path, job: Path, mode: str) -> list[str]:
         """`t1jax eval` of checkpoint `name` on the held-out split, greedy or sampled (`EvalStage`)."""
         e = self.config.eval
@@ -694,21 +831,14 @@ class Demo:
                 )
 
     def _check_warmups(self) -> None:
-        """A ConfigError naming what is wrong unless every campaign's warm-up holds the actor,
-        samples as that campaign's RL run samples, and rolls each task out more than once: a
-        warm-up fits the critic to the SFT policy's returns under RL's sampling, and the demo's own
-        warm-up's groups are the reward-variance check (`_reward_variance`)."""
+        """A ConfigError naming what is wrong unless every campaign's warm-up samples as that
+        campaign's RL run samples: a warm-up fits the critic to the returns of the policy RL
+        starts from, under RL's sampling. (Its actor may be held, or trained and discarded as the
+        paper's is: RL starts from the SFT actor either way.)"""
         for name, overrides in self.campaigns.items():
             warmup = self._run_config(self.config.warmup, warmup_overrides(overrides))
             rl = self._run_config(self.config.rl, overrides)
             where = f"{self.config.warmup.config} (the warm-up of {name})"
-            if warmup.schedule.train_actor:
-                raise ConfigError(f"{where}: schedule.train_actor is true; a critic warm-up holds the actor")
-            if warmup.schedule.rollouts_per_task < 2:
-                raise ConfigError(
-                    f"{where}: schedule.rollouts_per_task is {warmup.schedule.rollouts_per_task}; the "
-                    f"warm-up rolls each task out at least twice (its groups are the reward-variance check)"
-                )
             if warmup.sampling != rl.sampling:
                 raise ConfigError(
                     f"{where}: sampling {dataclasses.asdict(warmup.sampling)} differs from {name}'s "
@@ -775,7 +905,7 @@ class Demo:
         self.logs.mkdir(exist_ok=True)
         self.eval_dir.mkdir(exist_ok=True)
         self.eval_harness_file.write_text(yaml.safe_dump({"harness": self._rl_harness()}, sort_keys=False))
-        (self.logs / "demo.json").write_text(json.dumps({"seed": self.seed}) + "\n")
+        (self.logs / "demo.json").write_text(json.dumps(self._seeds) + "\n")
         stages = self.stages()
         started = time.monotonic()
         with terminate_as_interrupt():
@@ -799,11 +929,12 @@ class Demo:
         if stage.action is not None:
             stage.action()
             return None
+        command = [*stage.command, *(stage.late_args() if stage.late_args else [])]
         log = stage.log = self.logs / f"{stage.name.replace(' ', '-')}.log"
         with log.open("w") as out:
-            out.write("$ " + " ".join(stage.command) + "\n")
+            out.write("$ " + " ".join(command) + "\n")
             out.flush()
-            return subprocess.Popen(stage.command, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=self.env)
 
     def _check_seed(self) -> None:
         """A demo directory continues under the seed it was started with: its completed stages are
@@ -811,10 +942,17 @@ class Demo:
         would mix two seeds' stages in one table."""
         recorded = self.logs / "demo.json"
         if recorded.is_file():
-            seed = json.loads(recorded.read_text()).get("seed", 0)
-            if seed != self.seed:
-                raise ConfigError(f"{self.out} is a --seed {seed} demo; continue it with --seed {seed}, "
-                                  f"not {self.seed} (or use another --out)")  # fmt: skip
+            # a directory written before the suite seed was recorded ran the config's
+            seeds = {"seed": 0, "suite_seed": self.config.tasks.seed, **json.loads(recorded.read_text())}
+            for name, flag in (("seed", "--seed"), ("suite_seed", "--suite-seed")):
+                if seeds[name] != self._seeds[name]:
+                    raise ConfigError(f"{self.out} is a {flag} {seeds[name]} demo; continue it with "
+                                      f"{flag} {seeds[name]}, not {self._seeds[name]} (or use another "
+                                      f"--out)")  # fmt: skip
+
+    @property
+    def _seeds(self) -> dict[str, int]:
+        return {"seed": self.seed, "suite_seed": self.config.tasks.seed}
 
     # ---- the result --------------------------------------------------------------------------
 
@@ -875,6 +1013,7 @@ class Demo:
         seconds = self._stage_seconds(stages)
         summary = {
             "seed": self.seed,
+            "suite_seed": self.config.tasks.seed,
             "table": table,
             "verdicts": verdicts,
             # the same comparisons on the share of a task's tests passed: informational (the
@@ -885,6 +1024,12 @@ class Demo:
                 sorted({t for job in read.values() for t in job.resolved}), families
             ),
             "sft_reward_variance": self._reward_variance(),
+            # each warm-up's critic (explained variance first and last step, the gate's threshold)
+            # and each campaign's: EV per step, the advantages' spread under its own baseline and,
+            # where it has groups, under the critic on the same batches
+            "critics": self._critics(),
+            # RL's gain over SFT on the held-out steps offering a demonstrator habit vs the others
+            "habit_gain": habit_gain(habit_steps),
             # held-out steps done, by the demonstrator's habit each offers (job -> name -> count)
             "habit_steps": habit_steps,
             "stage_seconds": seconds,
@@ -945,6 +1090,30 @@ class Demo:
             for job in jobs
         }  # fmt: skip
 
+    def _critics(self) -> dict[str, Any]:
+        """Per warm-up `critic_record`, and per RL campaign its critic's explained variance at
+        each step (before that step's update, on the step's fresh rollouts) and the mean over its
+        steps of the actor's advantage spread (`advantages/std`) and, for a campaign with groups,
+        of the critic's on the same batches (`advantages/critic_std`)."""
+        critics: dict[str, Any] = {}
+        for name in self.campaigns:
+            warmup = self.warmup_dir(name).name
+            if warmup not in critics and (record := self.critic_record(warmup)) is not None:
+                critics[warmup] = record
+        for name in self.campaigns:
+            metrics = self.out / name / "metrics.jsonl"
+            ev = _metric_series(metrics, "critic/explained_variance")
+            if not ev:
+                continue
+            record: dict[str, Any] = {"explained_variance": [round(v, 4) for v in ev]}
+            spreads = (("advantage_std", "advantages/std"), ("critic_advantage_std", "advantages/critic_std"))
+            for key, series in spreads:
+                values = _metric_series(metrics, series)
+                if values:
+                    record[key] = round(sum(values) / len(values), 5)
+            critics[name] = record
+        return critics
+
     def _reward_variance(self) -> dict[str, Any] | None:
         """What the SFT policy leaves RL to learn from, measured before any policy step: over the
         demo's critic warm-up (the SFT policy sampled as RL samples, in groups of rollouts of one
@@ -996,6 +1165,25 @@ class Demo:
             plt.close(figure)
             written.append(path)
         return written
+
+
+def habit_gain(habit_steps: Mapping[str, Mapping[str, Mapping[str, int]]]) -> dict[str, dict[str, Any]]:
+    """Per RL evaluation job (`<campaign>-<mode>`) with an SFT job of the same mode: the held-out
+    steps it did beyond SFT's, among the steps offering any of the demonstrator's habits and among
+    the others, and the habits' share of the net gain (None when the net gain is not positive)."""
+    from t1jax.eval.steps import ANY_NAMED, OTHER_STEPS
+
+    gains = {}
+    for job, counts in habit_steps.items():
+        name, _, mode = job.rpartition("-")
+        sft = habit_steps.get(f"sft-{mode}")
+        if name in ("base", "sft") or sft is None:
+            continue
+        habit = counts[ANY_NAMED]["done"] - sft[ANY_NAMED]["done"]
+        other = counts[OTHER_STEPS]["done"] - sft[OTHER_STEPS]["done"]
+        share = round(habit / (habit + other), 3) if habit + other > 0 else None
+        gains[job] = {"habit_steps": habit, "other_steps": other, "habit_share": share}
+    return gains
 
 
 def _noise_mark(verdict: Mapping[str, Any], *, not_beyond: str) -> str:
@@ -1053,6 +1241,28 @@ def render_markdown(summary: dict[str, Any]) -> str:
         for job, counts in habit_steps.items():
             cells = [f"{counts[n]['done']} / {counts[n]['offered']}" for n in names]
             lines.append(f"| {job} | " + " | ".join(cells) + " |")
+        for job, gain in (summary.get("habit_gain") or {}).items():
+            share = gain["habit_share"]
+            on_habits = f" ({share:.0%} on the habits)" if share is not None else ""
+            sft = f"sft-{job.rpartition('-')[2]}"
+            lines.append(f"- {job} over {sft}: {gain['habit_steps']:+d} steps offering a habit, "
+                         f"{gain['other_steps']:+d} other steps{on_habits}")  # fmt: skip
+    critics = summary.get("critics") or {}
+    if critics:
+        lines += ["", "Critics (explained variance of V_old on each step's fresh rollouts, Eq. 19):"]
+        for name, record in critics.items():
+            if "ev_first" in record:
+                gate = record["min_explained_variance"]
+                gate_text = f"; gate {gate:+.2f}" if gate is not None else ""
+                lines.append(f"- {name}: {record['steps']} steps, EV first step {record['ev_first']:+.3f}, "
+                             f"last step {record['ev_last']:+.3f}{gate_text}")  # fmt: skip
+                continue
+            ev = record["explained_variance"]
+            spread = f", advantages' std {record['advantage_std']:.4f}" if "advantage_std" in record else ""
+            if "critic_advantage_std" in record:
+                spread += f" (the critic's on the same batches {record['critic_advantage_std']:.4f})"
+            lines.append(f"- {name}: EV step 1 {ev[0]:+.3f}, last {ev[-1]:+.3f}, mean "
+                         f"{sum(ev) / len(ev):+.3f}{spread}")  # fmt: skip
     lines.append("")
     lines.append("Time per stage (s): " + ", ".join(f"{k} {v}" for k, v in summary["stage_seconds"].items()))
     cpu = summary.get("stage_cpu_seconds") or {}

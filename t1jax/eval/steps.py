@@ -12,8 +12,9 @@ Invariants:
 - A step is done when its trial's verifier reported every test of that step, and each passed; a
   trial whose verifier reported none of them (an infrastructure error, a verifier timeout) did
   none of its steps. Skipped trials are left out, as in every other rate of a job.
-- A step offering several of the named mistakes counts under each of them; `OTHER_STEPS` counts
-  the steps offering none, so every step of every planned task is counted at least once.
+- A step offering several of the named mistakes counts under each of them and once under
+  `ANY_NAMED`; `OTHER_STEPS` counts the steps offering none, so `ANY_NAMED` + `OTHER_STEPS` counts
+  every step of every planned task exactly once.
 - Tasks without a plan (not written by `t1jax tasks generate`) are left out: a job of only such
   tasks offers no steps, and every count is 0 of 0.
 """
@@ -28,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from t1jax.data.suite import PLAN_FILE, step_of_test
+from t1jax.eval.job import task_of, verifier_report_of
 
+ANY_NAMED = "any of them"
 OTHER_STEPS = "other steps"
 
 
@@ -56,22 +59,23 @@ def task_plans(tasks_dir: str | Path) -> dict[str, dict]:
 def steps_by_mistake(
     results: Iterable[Mapping[str, Any]], plans: Mapping[str, dict], mistakes: Sequence[str]
 ) -> dict[str, StepCount]:
-    """For each name in `mistakes` (then `OTHER_STEPS`): the steps done of those offering it, over
-    the trials' results (`t1jax.eval.job.trial_results`) of the tasks in `plans`."""
-    counts = {name: [0, 0] for name in (*mistakes, OTHER_STEPS)}
+    """For each name in `mistakes` (then `ANY_NAMED`, then `OTHER_STEPS`): the steps done of those
+    offering it, over the trials' results (`t1jax.eval.job.trial_results`) of the tasks in `plans`."""
+    counts = {name: [0, 0] for name in (*mistakes, ANY_NAMED, OTHER_STEPS)}
     for result in results:
-        plan = plans.get(result["task_id"])
+        plan = plans.get(task_of(result))
         if result["skipped"] or plan is None:
             continue
         outcomes: dict[int, list[bool]] = defaultdict(list)
-        for assertion in (result.get("verifier") or {}).get("assertions", ()):
+        for assertion in (verifier_report_of(result) or {}).get("assertions", ()):
             number = step_of_test(assertion["name"])
             if number is not None:
                 outcomes[number].append(bool(assertion["passed"]))
         for step in plan["steps"]:
             done = bool(outcomes[step["number"]]) and all(outcomes[step["number"]])
             offered = {mistake["name"] for mistake in step["mistakes"]}
-            for name in [name for name in mistakes if name in offered] or [OTHER_STEPS]:
+            named = [name for name in mistakes if name in offered]
+            for name in [*named, ANY_NAMED] if named else [OTHER_STEPS]:
                 counts[name][0] += done
                 counts[name][1] += 1
     return {name: StepCount(done, offered) for name, (done, offered) in counts.items()}

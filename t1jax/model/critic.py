@@ -22,10 +22,23 @@ from t1jax.model.transformer import BackboneOutput, Qwen35MoeForCausalLM, Qwen35
 
 
 class ValueHead(nnx.Module):
-    def __init__(self, hidden_size: int, *, initializer_range: float, param_dtype, rngs: nnx.Rngs):
-        self.kernel = make_param(
-            rngs, normal(initializer_range), (hidden_size, 1), param_dtype, (EMBED, None)
-        )
+    """V(s) = hidden(s) . kernel + bias. A fresh head draws its kernel from N(0, initializer_range)
+    (the model's own init) unless `kernel_std` is given; `kernel_std=0` is a zero kernel, so the
+    fresh critic predicts a constant and its explained variance starts at exactly 0 instead of
+    below it (a random head's values vary with no relation to the returns)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        *,
+        initializer_range: float,
+        param_dtype,
+        rngs: nnx.Rngs,
+        kernel_std: float | None = None,
+    ):
+        std = initializer_range if kernel_std is None else kernel_std
+        init = zeros if std == 0 else normal(std)
+        self.kernel = make_param(rngs, init, (hidden_size, 1), param_dtype, (EMBED, None))
         self.bias = make_param(rngs, zeros, (1,), param_dtype, (None,))
 
     def __call__(self, hidden: jax.Array) -> jax.Array:
@@ -68,9 +81,11 @@ class Qwen35MoeCritic(nnx.Module):
         )
 
     @classmethod
-    def from_actor(cls, actor: Qwen35MoeForCausalLM, *, rngs: nnx.Rngs | None = None) -> Qwen35MoeCritic:
+    def from_actor(
+        cls, actor: Qwen35MoeForCausalLM, *, rngs: nnx.Rngs | None = None, value_head_std: float | None = None
+    ) -> Qwen35MoeCritic:
         """A critic whose backbone is a copy of the actor's (same dtypes and execution), with a
-        fresh value head."""
+        fresh value head (`ValueHead`'s `kernel_std` = `value_head_std`)."""
         param_dtype = actor.model.embed_tokens[...].dtype
         with abstract_params():  # the backbone is replaced below; never allocate a second one
             critic = cls(actor.config, dtype=actor.dtype, param_dtype=param_dtype, execution=actor.execution)
@@ -81,5 +96,6 @@ class Qwen35MoeCritic(nnx.Module):
             initializer_range=actor.config.initializer_range,
             param_dtype=param_dtype,
             rngs=rngs,
+            kernel_std=value_head_std,
         )
         return critic

@@ -578,10 +578,12 @@ def critic_from_pretrained(
     rules: LogicalRules | None = None,
     seed: int = 0,
     execution: ExecutionConfig = DEFAULT_EXECUTION,
+    value_head_std: float | None = None,
 ):
     """Load a `Qwen35MoeCritic` from an actor checkpoint (the backbone; the value head is freshly
-    initialised from `seed`, paper §4.5) or from a critic saved by `save_pretrained` (value head
-    included). An actor's `lm_head.weight` is ignored."""
+    initialised from `seed`, its kernel's std `value_head_std` as `ValueHead` takes it, paper
+    §4.5) or from a critic saved by `save_pretrained` (value head included). An actor's
+    `lm_head.weight` is ignored."""
     from t1jax.model.critic import Qwen35MoeCritic, ValueHead
 
     config = load_config(path)
@@ -609,6 +611,7 @@ def critic_from_pretrained(
             initializer_range=config.initializer_range,
             param_dtype=resolved_param_dtype,
             rngs=nnx.Rngs(seed),
+            kernel_std=value_head_std,
         )
         flat = dict(nnx.to_flat_state(abstract_state))
         for sub_path, variable in nnx.to_flat_state(nnx.state(head)):

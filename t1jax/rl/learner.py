@@ -882,6 +882,16 @@ class Learner:
         metrics: dict[str, Any] = {}
         with self._mesh_context():
             metrics.update(programs.diagnostics(mbs, old_values, advantages, returns, old_logprobs))
+            if self.config.advantages.baseline == "task":
+                # The same batch's advantages under the critic (GAE from V_old, what the paper's
+                # learner would use), beside the per-task baseline's `advantages/std`: how much
+                # variance each baseline leaves in the actor's signal.
+                critic_advantages = [programs.gae(mb, v)[0] for mb, v in zip(mbs, old_values, strict=True)]
+                critic_moments = _merged(
+                    masked_moments(a, mb.action_mask) for mb, a in zip(mbs, critic_advantages, strict=True)
+                )
+                metrics["advantages/critic_mean"] = critic_moments.mean
+                metrics["advantages/critic_std"] = jnp.sqrt(critic_moments.variance)
             if self.config.advantages.reshaped:  # after the diagnostics, which report raw advantages
                 advantages = self.reshape_advantages(batch, advantages)
 

@@ -13,7 +13,7 @@ import pytest
 from t1jax.cli import main
 from t1jax.data.suite import SuiteConfig, generate_suite, step_of_test
 from t1jax.eval.job import trial_results
-from t1jax.eval.steps import OTHER_STEPS, StepCount, steps_by_mistake, task_plans
+from t1jax.eval.steps import ANY_NAMED, OTHER_STEPS, StepCount, steps_by_mistake, task_plans
 
 
 def step(number, *mistakes):
@@ -50,10 +50,12 @@ def test_a_step_is_done_when_every_one_of_its_tests_passed():
         "sed-without-i": StepCount(1, 2),  # a1 done, then missing
         "no-chmod": StepCount(1, 3),  # a2 (failed, then done) and b1 (not reported)
         "wc-prints-name": StepCount(1, 2),  # the same step a2: it offers both
+        ANY_NAMED: StepCount(2, 5),  # a1, a2 (each twice) and b1, each step once however many it offers
         OTHER_STEPS: StepCount(1, 3),  # a3 (done, then failed) and b2 ("overwrite" was not asked)
     }
     nothing = StepCount(0, 0)
-    assert steps_by_mistake([], plans, ["no-chmod"]) == {"no-chmod": nothing, OTHER_STEPS: nothing}
+    assert steps_by_mistake([], plans, ["no-chmod"]) == {"no-chmod": nothing, ANY_NAMED: nothing,
+                                                     OTHER_STEPS: nothing}
     assert step_of_test("test_outputs::test_step12_exists") == 12 and step_of_test("test_step3_x") == 3
     assert step_of_test("test_outputs::test_hello") is None
     assert step_of_test("test_outputs::my_test_step1_x") is None
@@ -81,6 +83,8 @@ def test_the_oracle_does_every_step_of_generated_tasks_and_doing_nothing_not(tmp
         assert oracle[name] == StepCount(offering, offering), name
     unnamed = sum(not s["mistakes"] for s in all_steps)
     assert oracle[OTHER_STEPS] == StepCount(unnamed, unnamed)
+    named = len(all_steps) - unnamed
+    assert oracle[ANY_NAMED] == StepCount(named, named)
 
     # each task alone: the no-op agent leaves some step of every task undone (its tests fail some)
     nop = trial_results(jobs["nop"])

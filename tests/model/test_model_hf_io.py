@@ -84,6 +84,14 @@ def test_critic_from_actor_checkpoint_and_round_trip(tiny_model, tmp_path):
     from_actor = Qwen35MoeCritic.from_actor(tiny_model, rngs=nnx.Rngs(5))
     for path, value in actor_params.items():
         np.testing.assert_array_equal(flat_params(from_actor)[path], value)
+    # a zero value-head kernel (`value_head_std=0`): the fresh critic's values are one constant
+    # (its bias, 0), whichever way it is made; a random head's vary with the input
+    ids = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % tiny_model.config.vocab_size
+    assert float(jnp.std(critic(ids))) > 0
+    for zero in (critic_from_pretrained(tmp_path / "actor", dtype=jnp.float32, seed=5, value_head_std=0.0),
+                 Qwen35MoeCritic.from_actor(tiny_model, rngs=nnx.Rngs(5), value_head_std=0.0)):  # fmt: skip
+        assert not np.asarray(flat_params(zero)[("value_head", "kernel")]).any()
+        np.testing.assert_array_equal(np.asarray(zero(ids)), np.zeros((2, 6), np.float32))
 
 
 def test_bad_checkpoints_are_named(tiny_model, tmp_path):

@@ -640,6 +640,13 @@ def test_task_baseline_gives_reward_minus_the_others_mean_and_leaves_singles_to_
             np.testing.assert_allclose(got, REWARDS[i] - sum(others) / 2, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(returns[0]), np.asarray(critic_returns[0]))
     assert not np.asarray(advantages[0])[~mask].any()
+    # the step reports the spread of both on the same batch, over its action tokens
+    metrics = task.step(grouped)
+    assert metrics["advantages/std"] == pytest.approx(float(np.asarray(advantages[0])[mask].std()), abs=1e-5)
+    critic_flat = np.asarray(critic_advantages[0])[mask]
+    assert metrics["advantages/critic_std"] == pytest.approx(float(critic_flat.std()), abs=1e-5)
+    assert metrics["advantages/critic_mean"] == pytest.approx(float(critic_flat.mean()), abs=1e-5)
+    assert "advantages/critic_std" not in critic.step(plain)  # the critic's own run: one baseline
 
 
 def test_old_logprobs_come_from_the_version_that_generated_the_batch(models, rl_config, samples):
