@@ -10,8 +10,9 @@ the backbone `Qwen35MoeModel` (embedding, layers, final norm), the causal LM
   `routing_replay` int32 [B, T, L, k] every MoE layer uses the given experts (router mode
   "replay"), otherwise it picks the top-k of its live scores ("free"). A (token, layer) whose k
   replay entries are all -1 (`moe.NO_RECORD`: padding, a sample's last token) routes freely.
-- `model.extend(input_ids, cache, valid_lengths=None)`: chunked prefill; appends T tokens per
-  row (the first valid_lengths[b] real, right padding after) to a `DecodeCache`.
+- `model.extend(input_ids, cache, valid_lengths=None, logits_at=None)`: chunked prefill; appends
+  T tokens per row (the first valid_lengths[b] real, right padding after) to a `DecodeCache`
+  (with `logits_at`, the logits of one position per row only).
 - `model.decode_step(token_ids, cache, active=None)`: one token per row with the recurrent forms;
   attention reads the cache only up to the longest active row.
 - `model.target_logprobs(input_ids, target_ids, ...)`: the training forward reduced to the
@@ -405,15 +406,21 @@ class Qwen35MoeForCausalLM(nnx.Module):
         return init_cache(self.config, batch_size, max_len, self.dtype)
 
     def extend(
-        self, input_ids, cache: DecodeCache, *, valid_lengths=None, routing_replay=None
+        self, input_ids, cache: DecodeCache, *, valid_lengths=None, routing_replay=None, logits_at=None
     ) -> tuple[CausalLMOutput, DecodeCache]:
         """Chunked prefill. input_ids int32 [B, T]; valid_lengths int32 [B] (default T).
         Returns logits float32 [B, T, vocab] and routing [B, T, L, k] for the new tokens (garbage
-        past valid_lengths[b]) and the cache advanced by valid_lengths."""
+        past valid_lengths[b]) and the cache advanced by valid_lengths. With `logits_at` int32
+        [B] the logits are float32 [B, vocab], only at index logits_at[b] of each row (a sampler
+        needs only the last position's: the head is then applied to B positions, not B * T)."""
         out, cache = self.model.extend(
             input_ids, cache, valid_lengths=valid_lengths, routing_replay=routing_replay
         )
-        return CausalLMOutput(logits=self._logits(out.hidden_states), routing=out.routing), cache
+        hidden = out.hidden_states
+        if logits_at is not None:
+            index = jnp.asarray(logits_at, jnp.int32)[:, None, None]
+            hidden = jnp.take_along_axis(hidden, index, axis=1)[:, 0]
+        return CausalLMOutput(logits=self._logits(hidden), routing=out.routing), cache
 
     def decode_step(
         self, token_ids, cache: DecodeCache, *, active=None, kv_chunk: int = DECODE_KV_CHUNK

@@ -16,21 +16,29 @@ Cost follows the live lengths. The cache holds `max_batch` rows of `max_context`
   early once no row is live; tokens, log-probs and routing come back once per round. Decode
   attention reads the cache in `kv_chunk`-slot chunks only up to the longest live row
   (`t1jax.model.attention.decode_attention`), so one program serves every length;
-- prefill feeds `prefill_rows` rows at a time, a window of `block_size` tokens each, over a
-  cache view of `kv` slots, `kv` the power of two (>= block_size and min_prefill_kv, capped at
-  max_context) that covers the window's end; rows are grouped by their `kv`. So prefill
-  compiles once per kv bucket (about log2(max_context / min_prefill_kv) + 1 programs) and its
-  attention costs what the row's own length needs.
+- prefill is packed: one call feeds `prefill_rows` rows, each a run of up to
+  `prefill_windows` consecutive windows of `block_size` tokens (a `lax.while_loop` over the
+  windows, all rows advancing together), each window over a cache view of `kv` slots, `kv` the
+  power of two (>= block_size and min_prefill_kv, capped at max_context) that covers the
+  window's end. Rows are grouped by the `kv` of their next window, and a row's run stops where
+  its windows leave that bucket, at its prefix-cache resume point (where its recurrent state is
+  stored) and at its prompt's end. So 16 requests of 2k tokens cost a handful of calls (one per
+  bucket and group of rows, plus one to the resume point), prefill compiles once per kv bucket
+  (about log2(max_context / min_prefill_kv) + 1 programs), its attention costs what the row's
+  own length needs, and the LM head runs only at each row's last real position. The K/V of
+  the blocks a call computed for the prefix cache come back in one call (`take_blocks`).
 `compile_counts` records traces per program and bucket, e.g. `prefill[kv=512]`,
-`decode[stops=4]`, `restore[blocks=8]`.
+`decode[stops=4]`, `restore[blocks=8]`, `take_blocks[n=16]`.
 
 Invariants:
 - A row's results depend only on its own tokens, parameters and seed, never on which other rows
   are busy (checked bit-exact by the tests), so batching does not change what a request gets:
-  every program's shapes are fixed per bucket (`prefill_rows` rows per prefill call, whatever
-  number of rows prefills; all `max_batch` rows per decode step), a row's prefill bucket depends
-  only on its own position, and a decode-attention chunk past a row's position leaves that
-  row's result unchanged bit for bit.
+  every program's shapes are fixed per bucket (`prefill_rows` rows of one `block_size` window
+  per step of the prefill loop, whatever number of rows prefills and however many windows the
+  call runs; all `max_batch` rows per decode step), a window's prefill bucket depends only on
+  its own position (every window is the same computation, on the same grid, whichever call
+  runs it), and a decode-attention chunk past a row's position leaves that row's result
+  unchanged bit for bit.
 - The prefix cache stores only full prefill windows; a prompt resumes from the longest cached
   chain of its blocks that ends at a stored recurrent state (always leaving >= 1 token to
   prefill, whose logits give the first sample) on the same grid, so a hit is bit-identical to a
@@ -87,6 +95,7 @@ from t1jax.rollout.weights import conform_params, place
 logger = logging.getLogger(__name__)
 
 _MIN_STOP_WIDTH = 4  # stop-id slots per row in the decode program (grows in powers of two)
+_MAX_TAKE = 32  # blocks per take_blocks call (larger counts compile for seconds and save little)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +107,9 @@ class EngineConfig:
     devices; default: every device on `tensor`. decode_steps: decode steps per device call (one
     host round trip per that many tokens; aborts and admissions wait at most one round).
     prefill_rows: rows per prefill call (a fixed shape, so a row's result never depends on how
-    many rows prefill with it). kv_chunk: cache slots the decode attention reads per step of
+    many rows prefill with it). prefill_windows: windows (of block_size tokens) a row may
+    prefill in one call, at most (a call holds up the decode rounds of the other rows while it
+    runs). kv_chunk: cache slots the decode attention reads per step of
     its loop (smaller suits a CPU's caches, larger an accelerator); None (the default) takes
     `default_kv_chunk` of the engine's platform. min_prefill_kv: the smallest
     cache view a prefill window attends over (shorter views save too little to be worth a
@@ -110,12 +121,15 @@ class EngineConfig:
     prefix_cache_bytes: int = 256 * 2**20
     mesh_shape: Mapping[str, int] | None = None
     decode_steps: int = 16
-    prefill_rows: int = 4
+    prefill_rows: int = 8
+    prefill_windows: int = 16
     kv_chunk: int | None = None
     min_prefill_kv: int = 256
 
     def __post_init__(self) -> None:
-        positive = ("max_batch", "max_context", "block_size", "decode_steps", "prefill_rows")
+        positive = (
+            "max_batch", "max_context", "block_size", "decode_steps", "prefill_rows", "prefill_windows"
+        )
         chunk = () if self.kv_chunk is None else ("kv_chunk",)
         for name in positive + chunk + ("min_prefill_kv",):
             if getattr(self, name) < 1:
@@ -398,12 +412,15 @@ class JaxEngine:
         self._run_on_scheduler(self._compile_all)
 
     def _compile_all(self) -> None:
-        rows = self._prefill_rows
+        rows, windows = self._prefill_rows, self.config.prefill_windows
+        padding = np.zeros(rows, np.int32)
         for kv in self.kv_buckets():
             program = self._program(f"prefill[kv={kv}]", lambda kv=kv: self._prefill_program(kv))
-            padding = np.zeros(rows, np.int32)
-            ids = np.zeros((rows, self.config.block_size), np.int32)
-            logits, _, self._cache = self._device(program, self._state, self._cache, padding, ids, padding)
+            ids = np.zeros((windows, rows, self.config.block_size), np.int32)
+            valid = np.zeros((windows, rows), np.int32)
+            logits, _, self._cache = self._device(
+                program, self._state, self._cache, padding, ids, valid, np.int32(0)
+            )
         first_token = self._program("first_token", self._first_token_program)
         params = (self._temperature, self._top_k_param, self._top_p, self._seed_low, self._seed_high)
         self._device(first_token, logits, *(a[padding] for a in params))
@@ -431,13 +448,18 @@ class JaxEngine:
         self._restore(slot, [])
         if self.config.prefix_cache_bytes == 0:
             return
-        take = self._program("take_block", self._take_block_program)
-        kv = self._device(take, self._cache, np.int32(slot), np.int32(0))
+        most = (self.config.max_context - 2) // self.config.block_size  # blocks a hit can restore
+        count = 1
+        while True:  # every block count one prefill call can take: its rows' windows, at most
+            take = self._program(f"take_blocks[n={count}]", lambda n=count: self._take_blocks_program(n))
+            (kv, *_) = self._device(take, self._cache, np.zeros(count, np.int32), np.zeros(count, np.int32))
+            if count >= min(rows * min(windows, most), _MAX_TAKE):
+                break
+            count *= 2
         state = self._device(
             self._program("take_state", self._take_state_program), self._cache, np.int32(slot)
         )
         empty = _WarmupEntry(kv, state)
-        most = (self.config.max_context - 2) // self.config.block_size  # blocks a hit can restore
         count = 1
         while True:
             self._restore(slot, [empty] * count)
@@ -534,21 +556,40 @@ class JaxEngine:
         graphdef, counts, name = self._graphdef, self.compile_counts, f"prefill[kv={kv}]"
         cfg, routing = self.config, self.routing_dtype
         rows, block, max_batch = self._prefill_rows, cfg.block_size, cfg.max_batch
+        windows, vocab = cfg.prefill_windows, self.model_config.vocab_size
+        layers, top_k = self.model_config.num_hidden_layers, self.model_config.num_experts_per_tok
 
-        def prefill(state, cache, slots, ids, valid):
+        def prefill(state, cache, slots, ids, valid, count):
+            """Windows 0 .. count - 1 of ids [windows, rows, block] (valid [windows, rows] real
+            tokens each; a row with none in a window writes nothing). Returns each row's logits
+            at the last real position of its last window with any, the routing of every window
+            [windows, rows, block, L, k] and the cache."""
             counts[name] += 1
             model = nnx.merge(graphdef, state)
-            view = _rows_view(cache, slots, kv)
-            starts = view.lengths
-            out, view = model.extend(ids, view, valid_lengths=valid)
-            cache = _write_window(cache, view, slots, starts, valid, block, max_batch)
-            last = jnp.clip(valid - 1, 0, block - 1)
-            return out.logits[jnp.arange(rows), last], out.routing.astype(routing), cache
+
+            def window(index, carry):
+                cache, logits, records = carry
+                real = valid[index]
+                view = _rows_view(cache, slots, kv)
+                starts = view.lengths
+                last = jnp.clip(real - 1, 0, block - 1)
+                out, view = model.extend(ids[index], view, valid_lengths=real, logits_at=last)
+                cache = _write_window(cache, view, slots, starts, real, block, max_batch)
+                logits = jnp.where((real > 0)[:, None], out.logits, logits)
+                return cache, logits, records.at[index].set(out.routing.astype(routing))
+
+            init = (
+                cache,
+                jnp.zeros((rows, vocab), jnp.float32),
+                jnp.zeros((windows, rows, block, layers, top_k), routing),
+            )
+            cache, logits, records = jax.lax.fori_loop(0, count, window, init)
+            return logits, records, cache
 
         rep, cache_sh = self._replicated, self._cache_shardings
         return jax.jit(
             prefill,
-            in_shardings=(self._state_shardings, cache_sh) + (rep,) * 3,
+            in_shardings=(self._state_shardings, cache_sh) + (rep,) * 4,
             out_shardings=(rep, rep, cache_sh),
             donate_argnums=(1,),
         )
@@ -670,26 +711,32 @@ class JaxEngine:
             donate_argnums=(0,),
         )
 
-    def _take_block_program(self):
-        counts, block = self.compile_counts, self.config.block_size
+    def _take_blocks_program(self, num_blocks: int):
+        counts, block, name = self.compile_counts, self.config.block_size, f"take_blocks[n={num_blocks}]"
 
-        def take_block(cache, slot, start):
-            """The packed K/V of row `slot`, positions [start, start + block)."""
-            counts["take_block"] += 1
-            window = lambda a: jax.lax.dynamic_slice_in_dim(
-                jax.lax.dynamic_index_in_dim(a, slot, 0, False), start, block, 0
-            )
-            return jnp.stack(
-                [
-                    jnp.stack([window(layer.key), window(layer.value)])
-                    for layer in self._attention_layers(cache)
-                ]
-            )
+        def take_blocks(cache, slots, starts):
+            """The packed K/V of row slots[i], positions [starts[i], starts[i] + block), for each i."""
+            counts[name] += 1
+
+            def packed(slot, start):
+                window = lambda a: jax.lax.dynamic_slice_in_dim(
+                    jax.lax.dynamic_index_in_dim(a, slot, 0, False), start, block, 0
+                )
+                return jnp.stack(
+                    [
+                        jnp.stack([window(layer.key), window(layer.value)])
+                        for layer in self._attention_layers(cache)
+                    ]
+                )
+
+            # one gather of every block, then one output per block (the prefix cache's entries)
+            stacked = jax.vmap(packed)(slots, starts)
+            return tuple(stacked[i] for i in range(num_blocks))
 
         return jax.jit(
-            take_block,
+            take_blocks,
             in_shardings=(self._cache_shardings, self._replicated, self._replicated),
-            out_shardings=self._block_sharding,
+            out_shardings=(self._block_sharding,) * num_blocks,
         )
 
     def _take_state_program(self):
@@ -834,76 +881,125 @@ class JaxEngine:
         self._stops[slot] = -1
         self._stops[slot, : len(stop_ids)] = stop_ids
 
-    def _keep_prefix_block(self, work: _Work, start: int, routing: np.ndarray) -> None:
-        """After the prefill window [start, start + block) of a full block before the resume
-        point: keep its K/V until the resume point is reached (unless it is cached already)."""
-        key = work.keys[start // self.config.block_size]
-        if key in self.prefix_cache:
-            return
-        program = self._program("take_block", self._take_block_program)
-        kv = self._device(program, self._cache, np.int32(work.slot), np.int32(start))
-        work.new_blocks[key] = (kv, routing)
-
-    def _store_prefix(self, work: _Work) -> None:
-        """At the resume point: store the prompt's chain with the row's recurrent state there."""
-        program = self._program("take_state", self._take_state_program)
-        state = self._device(program, self._cache, np.int32(work.slot))
-        self.prefix_cache.insert(work.keys, work.new_blocks, state)
-        work.new_blocks = {}
-
     # ---- steps -------------------------------------------------------------------------------
     def _prefill_step(self) -> None:
-        """One window for every prefilling row: rows grouped by kv bucket, `prefill_rows` per
-        call. Every call is dispatched before anything is fetched, then one transfer brings
-        back the routing (and the first tokens of the prompts that end here)."""
-        block = self.config.block_size
+        """One packed call per kv bucket and group of `prefill_rows` prefilling rows, each row a
+        run of windows (`_plan_windows`). Every call is dispatched (with the takes of the blocks
+        and states it computed for the prefix cache) before anything is fetched, then one
+        transfer brings back the routing and the first tokens of the prompts that end."""
         by_bucket: dict[int, list[_Work]] = collections.defaultdict(list)
         for work in self._slots:
             if work is not None and work.phase == _PREFILL:
-                # the window's real end: a function of the row alone (hit and miss agree on it)
-                by_bucket[self._kv_bucket(min(work.prefilled + block, len(work.prompt)))].append(work)
+                by_bucket[self._kv_bucket(self._window_end(work, work.prefilled))].append(work)
         group = self._prefill_rows
         launched = [
             self._launch_prefill(kv, works[first : first + group])
             for kv, works in sorted(by_bucket.items())
             for first in range(0, len(works), group)
         ]
-        fetched = jax.device_get([outputs for _, _, outputs in launched])
-        for (works, valid, _), (routing, first) in zip(launched, fetched, strict=True):
-            self._absorb_prefill(works, valid, routing, first)
+        fetched = jax.device_get([outputs for *_, outputs in launched])
+        for (works, plans, blocks, states, _), (routing, first) in zip(launched, fetched, strict=True):
+            self._absorb_prefill(works, plans, blocks, states, routing, first)
+
+    def _window_end(self, work: _Work, start: int) -> int:
+        """The real end of the window starting at `start`: a function of the row alone (hit
+        and miss agree on it)."""
+        return min(start + self.config.block_size, len(work.prompt))
+
+    def _plan_windows(self, work: _Work, kv: int) -> list[int]:
+        """The window starts `work` prefills in a call of bucket `kv`: consecutive windows from
+        its position while they stay in the bucket, at most `prefill_windows`, ending at the
+        prompt's end or, where the row's recurrent state is to be stored, at the resume point."""
+        block, prompt_len = self.config.block_size, len(work.prompt)
+        resume = len(work.keys) * block
+        stop_at = resume if work.prefilled < resume and resume > work.cached else prompt_len
+        starts, start = [], work.prefilled
+        while (
+            start < stop_at
+            and len(starts) < self.config.prefill_windows
+            and self._kv_bucket(self._window_end(work, start)) == kv
+        ):
+            starts.append(start)
+            start += block
+        return starts
 
     def _launch_prefill(self, kv: int, works: list[_Work]):
-        block, rows = self.config.block_size, self._prefill_rows
+        cfg, rows = self.config, self._prefill_rows
+        block, windows = cfg.block_size, cfg.prefill_windows
+        plans = [self._plan_windows(work, kv) for work in works]
         slots = np.full(rows, works[0].slot, np.int32)  # padding rows read a busy row, write nothing
-        ids = np.zeros((rows, block), np.int32)
-        valid = np.zeros(rows, np.int32)
-        for row, work in enumerate(works):
-            chunk = work.prompt[work.prefilled : work.prefilled + block]
+        ids = np.zeros((windows, rows, block), np.int32)
+        valid = np.zeros((windows, rows), np.int32)
+        for row, (work, starts) in enumerate(zip(works, plans, strict=True)):
             slots[row] = work.slot
-            ids[row, : len(chunk)] = chunk
-            valid[row] = len(chunk)
+            for window, start in enumerate(starts):
+                chunk = work.prompt[start : start + block]
+                ids[window, row, : len(chunk)] = chunk
+                valid[window, row] = len(chunk)
+        count = max(len(starts) for starts in plans)
         program = self._program(f"prefill[kv={kv}]", lambda: self._prefill_program(kv))
-        logits, routing, self._cache = self._device(program, self._state, self._cache, slots, ids, valid)
+        logits, routing, self._cache = self._device(
+            program, self._state, self._cache, slots, ids, valid, np.int32(count)
+        )
         self.step_counts["prefill"] += 1
+        self.step_counts["prefill_windows"] += count
+        blocks = self._take_new_blocks(works, plans)
+        states = {}
+        for work, starts in zip(works, plans, strict=True):
+            resume = len(work.keys) * block
+            if starts and starts[-1] + block == resume and resume > work.cached:
+                program = self._program("take_state", self._take_state_program)
+                states[work.request_id] = self._device(program, self._cache, np.int32(work.slot))
         first = None
-        if any(work.prefilled + block >= len(work.prompt) for work in works):  # a prompt ends here
+        pairs = zip(works, plans, strict=True)
+        if any(p and self._window_end(w, p[-1]) == len(w.prompt) for w, p in pairs):  # a prompt ends
             program = self._program("first_token", self._first_token_program)
             params = (self._temperature, self._top_k_param, self._top_p, self._seed_low, self._seed_high)
             first = self._device(program, logits, *(a[slots] for a in params))
-        return works, valid, (routing, first)
+        return works, plans, blocks, states, (routing, first)
 
-    def _absorb_prefill(self, works: list[_Work], valid: np.ndarray, routing: np.ndarray, first) -> None:
+    def _take_new_blocks(self, works: list[_Work], plans: list[list[int]]) -> dict[bytes, Any]:
+        """The packed K/V of every full block before a resume point that this call computed and
+        the prefix cache lacks, by key, in one device call per `_MAX_TAKE` of them (the count
+        padded to a power of two, repeating the first block, so that it compiles per bucket)."""
         block = self.config.block_size
-        for row, work in enumerate(works):
-            count, start = int(valid[row]), work.prefilled
-            window_routing = np.asarray(routing[row, :count])
-            work.routing.append(window_routing)
-            work.prefilled += count
+        wanted = []
+        for work, starts in zip(works, plans, strict=True):
             resume = len(work.keys) * block
-            if count == block and start < resume:
-                self._keep_prefix_block(work, start, window_routing)
-            if work.prefilled == resume and resume > work.cached:
-                self._store_prefix(work)
+            for start in starts:
+                key = work.keys[start // block] if start < resume else None
+                if key is not None and key not in self.prefix_cache and key not in work.new_blocks:
+                    wanted.append((key, work.slot, start))
+        taken = {}
+        for first in range(0, len(wanted), _MAX_TAKE):
+            part = wanted[first : first + _MAX_TAKE]
+            bucket = _power_of_two_at_least(len(part))
+            padded = part + part[:1] * (bucket - len(part))
+            program = self._program(f"take_blocks[n={bucket}]", lambda n=bucket: self._take_blocks_program(n))
+            kvs = self._device(
+                program,
+                self._cache,
+                np.asarray([slot for _, slot, _ in padded], np.int32),
+                np.asarray([start for *_, start in padded], np.int32),
+            )
+            taken.update({key: kv for (key, *_), kv in zip(part, kvs[: len(part)], strict=True)})
+        return taken
+
+    def _absorb_prefill(self, works, plans, blocks, states, routing: np.ndarray, first) -> None:
+        block = self.config.block_size
+        for row, (work, starts) in enumerate(zip(works, plans, strict=True)):
+            resume = len(work.keys) * block
+            for window, start in enumerate(starts):
+                count = self._window_end(work, start) - start
+                window_routing = np.asarray(routing[window, row, :count])
+                work.routing.append(window_routing)
+                work.prefilled += count
+                key = work.keys[start // block] if start < resume else None
+                if key in blocks:
+                    work.new_blocks[key] = (blocks[key], window_routing)
+            if work.request_id in states:
+                self.prefix_cache.insert(work.keys, work.new_blocks, states[work.request_id])
+                work.new_blocks = {}
             if work.prefilled == len(work.prompt):
                 work.phase = _DECODE
                 self._accept_tokens(work, *(x[row : row + 1] for x in first))

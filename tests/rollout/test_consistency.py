@@ -85,6 +85,34 @@ def test_sampler_logprobs_and_routing_match_the_trainer(engine, policy, prompt_r
     assert worst_raw < LOGPROB_TOLERANCE and worst_processed < LOGPROB_TOLERANCE
 
 
+def test_packed_prefill_equals_per_request_prefill_and_the_full_forward(engine, policy, prompt_rng):
+    """A batch prefilled together (packed: several rows and windows per call, through several kv
+    buckets) gives each request bit for bit what it gets prefilled alone, and the first token's
+    logits and the prompt's routing are the model's full forward's (routing exactly, logprobs
+    within float32 rounding; greedy: its argmax)."""
+    block = engine.config.block_size
+    lengths = [5 * block + 3, 2 * block, 9 * block + 7, 11, 7 * block + 1]
+    requests = [
+        request(random_prompt(prompt_rng, n), max_new_tokens=1, seed=i, temperature=0.0 if i % 2 else 1.0)
+        for i, n in enumerate(lengths)
+    ]
+    engine.clear_prefix_cache()
+    alone = [engine.generate([r])[0] for r in requests]
+    engine.clear_prefix_cache()
+    calls = engine.step_counts["prefill"]
+    together = in_threads(engine, [request(r.prompt_ids, **vars(r.params)) for r in requests])
+    assert engine.step_counts["prefill"] - calls < sum(-(-n // block) for n in lengths) / 2
+    for a, b in zip(alone, together, strict=True):
+        assert same(a, b), a.request_id
+    worst_raw, worst_processed = compare_with_trainer(policy, requests, together, padded_len=160)
+    assert worst_raw < LOGPROB_TOLERANCE and worst_processed < LOGPROB_TOLERANCE
+    _, free_logits, _ = trainer_forward(policy, together, padded_len=160)
+    for row, result in enumerate(together):
+        if requests[row].params.temperature == 0.0:
+            last = len(result.prompt_ids) - 1
+            assert int(result.completion_ids[0]) == int(np.argmax(free_logits[row, last]))
+
+
 def compare_with_trainer(policy, requests, results, padded_len=PADDED_LEN):
     """Assert the routing matches the trainer's free routing exactly and the replayed logits
     give the same logits as the free ones; return the worst raw and processed logprob gaps."""

@@ -111,7 +111,8 @@ def test_stop_tokens_length_and_the_context_window(engine, prompt_rng):
 
 def test_programs_compile_once_per_bucket_whatever_the_lengths(engine, prompt_rng):
     """One program per bucket, each traced once (warmup compiled them all): prefill per kv
-    bucket, decode per stop-id width, restore per block-count bucket."""
+    bucket, decode per stop-id width, restore and the take of new blocks per block-count
+    bucket."""
     window = TEST_ENGINE_CONFIG.max_context
     for length in (1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 3, 9 * BLOCK, window - 4):
         prompt = random_prompt(prompt_rng, length)
@@ -119,8 +120,10 @@ def test_programs_compile_once_per_bucket_whatever_the_lengths(engine, prompt_rn
         engine.generate([request(prompt, max_new_tokens=3)])  # a prefix-cache hit
     assert engine.kv_buckets() == [64, 128, 192]
     restores = [f"restore[blocks={n}]" for n in (0, 1, 2, 4, 8, 16)]
-    expected = {f"prefill[kv={kv}]" for kv in engine.kv_buckets()} | set(restores)
-    expected |= {"first_token", "decode[stops=4]", "take_block", "take_state"}
+    # blocks one packed prefill call can hand the prefix cache: 2 rows x 11 blocks at most
+    takes = [f"take_blocks[n={n}]" for n in (1, 2, 4, 8, 16, 32)]
+    expected = {f"prefill[kv={kv}]" for kv in engine.kv_buckets()} | set(restores) | set(takes)
+    expected |= {"first_token", "decode[stops=4]", "take_state"}
     assert set(engine.compile_counts) == expected
     assert all(count == 1 for count in engine.compile_counts.values()), dict(engine.compile_counts)
     # more stop ids than the decode program has room for: one more program, then no more
@@ -128,6 +131,22 @@ def test_programs_compile_once_per_bucket_whatever_the_lengths(engine, prompt_rn
         stops = tuple(range(1, 6))
         engine.generate([request(random_prompt(prompt_rng, 9), max_new_tokens=5, stop_token_ids=stops)])
     assert engine.compile_counts["decode[stops=8]"] == 1
+
+
+def test_prefill_packs_many_windows_and_rows_into_one_call(engine, prompt_rng):
+    """Four prompts of 5 blocks + 3 tokens, together: each call runs 2 rows (prefill_rows) x a
+    run of windows that stops at a kv bucket's end (64 and 128 slots), at the resume point
+    (5 blocks, where the recurrent state is kept) and at the prompt's end: 3 calls per pair of
+    rows, where one window per call would take 6."""
+    assert TEST_ENGINE_CONFIG.prefill_rows == 2 and TEST_ENGINE_CONFIG.min_prefill_kv == 64
+    engine.clear_prefix_cache()
+    prompts = [random_prompt(prompt_rng, 5 * BLOCK + 3) for _ in range(4)]
+    calls, windows = engine.step_counts["prefill"], engine.step_counts["prefill_windows"]
+    results = in_threads(engine, [request(p, max_new_tokens=2) for p in prompts])
+    assert engine.step_counts["prefill"] - calls == 2 * 3
+    assert engine.step_counts["prefill_windows"] - windows == 2 * (4 + 1 + 1)
+    assert engine.prefix_cache.num_states == 4  # every prompt's state at its resume point
+    assert all(r.routing.shape[0] == 5 * BLOCK + 3 + 1 for r in results)
 
 
 def test_decode_takes_several_tokens_per_host_round_trip(engine, prompt_rng):
