@@ -340,6 +340,37 @@ def chunk_gated_delta_rule(
     state after the last position of each row (padding leaves it unchanged, so with right-padding it
     is the state after each row's last real token).
     """
+    x = chunked_inputs(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+    terms = intra_chunk_terms(x.q, x.k, x.v, x.g, x.beta, x.valid, x.starts, chunk_size=chunk_size,
+                              precision=precision)  # fmt: skip
+    out, final_state = inter_chunk_scan(terms, x.state, precision)
+    return x.output(_from_chunks(out)), final_state
+
+
+class ChunkedInputs(NamedTuple):
+    """The inputs of a chunked gated delta rule, checked and made ready for its chunks: right-padded
+    to a multiple of the chunk size, float32, zero at padding; `valid` / `starts` the segment flags
+    [B, T + pad]; `state` the float32 initial state (zeros when none was given); `length` the T the
+    caller gave."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
+    valid: jax.Array
+    starts: jax.Array
+    state: jax.Array
+    length: int
+
+    def output(self, out):
+        """[B, T + pad, H, dv] -> the caller's [B, T, H, dv], exactly zero at padding."""
+        return jnp.where(self.valid[:, : self.length, None, None], out[:, : self.length], 0.0)
+
+
+def chunked_inputs(q, k, v, g, beta, initial_state, segment_ids, chunk_size: int) -> ChunkedInputs:
+    """What every chunked form (this module's, the Pallas kernels') does before its chunks.
+    Padding positions are exact no-ops on the state (beta = 0, g = 0); their outputs are cut."""
     _check_inputs(q, k, v, g, beta, initial_state, segment_ids)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -348,7 +379,7 @@ def chunk_gated_delta_rule(
     valid, starts = segment_flags(segment_ids, batch, length)
     pad = -length % chunk_size
     if pad:
-        # Padding positions are exact no-ops on the state (beta = 0, g = 0); their outputs are cut.
+
         def right_pad(x):
             return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
@@ -358,8 +389,4 @@ def chunk_gated_delta_rule(
         state = jnp.zeros((batch, heads, dk, dv), jnp.float32)
     else:
         state = initial_state.astype(jnp.float32)
-    terms = intra_chunk_terms(q, k, v, g, beta, valid, starts, chunk_size=chunk_size, precision=precision)
-    out, final_state = inter_chunk_scan(terms, state, precision)
-    out = _from_chunks(out)[:, :length]
-    out = jnp.where(valid[:, :length, None, None], out, 0.0)
-    return out, final_state
+    return ChunkedInputs(q, k, v, g, beta, valid, starts, state, length)

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from t1jax.ops.gated_delta_rule import _check_inputs, _masked_f32, segment_flags
+from t1jax.ops.gated_delta_rule import chunked_inputs
 
 __all__ = ["pallas_chunk_gated_delta_rule"]
 
@@ -348,25 +348,12 @@ def pallas_chunk_gated_delta_rule(
 ):
     """``chunk_gated_delta_rule``'s contract (shapes, segment semantics, float32 outputs), computed
     by the Pallas kernels. Differentiable in q, k, v, g, beta and initial_state."""
-    _check_inputs(q, k, v, g, beta, initial_state, segment_ids)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    batch, length, heads, dk = q.shape
+    inputs = chunked_inputs(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+    q, k, v, g, beta, starts, state0 = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.starts,
+                                        inputs.state)  # fmt: skip
+    batch, padded, heads, _ = q.shape
     dv = v.shape[-1]
-    valid, starts = segment_flags(segment_ids, batch, length)
-    pad = -length % chunk_size
-    if pad:  # padding positions are exact no-ops on the state (beta = 0, g = 0); outputs are cut
-
-        def right_pad(x):
-            return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-
-        q, k, v, g, beta, valid, starts = map(right_pad, (q, k, v, g, beta, valid, starts))
-    q, k, v, g, beta = _masked_f32(valid, q, k, v, g, beta)
-    if initial_state is None:
-        state0 = jnp.zeros((batch, heads, dk, dv), jnp.float32)
-    else:
-        state0 = initial_state.astype(jnp.float32)
-    chunks = (length + pad) // chunk_size
+    chunks = padded // chunk_size
 
     def head_chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...]
         x = jnp.moveaxis(x, 2, 1)
@@ -396,6 +383,5 @@ def pallas_chunk_gated_delta_rule(
         chunk_decay[..., None, None],
         state0,
     )
-    out = jnp.moveaxis(out.reshape(batch, heads, chunks * chunk_size, dv), 1, 2)[:, :length]
-    out = jnp.where(valid[:, :length, None, None], out, 0.0)
+    out = inputs.output(jnp.moveaxis(out.reshape(batch, heads, chunks * chunk_size, dv), 1, 2))
     return out, final_state
