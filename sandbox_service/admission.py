@@ -68,6 +68,7 @@ from sandbox_service.errors import (
     translate,
 )
 from sandbox_service.fidelity import environment_audit
+from sandbox_service.steps import step_count, step_view
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +304,7 @@ class _Trial:
         self.holds_slot = False
         self.backend_closed = False
         self.calls: dict[int, float] = {}  # call id -> watchdog deadline
+        self.step = 0  # the current step of a multi-step task
 
     @property
     def sandbox_id(self) -> str | None:
@@ -468,7 +470,14 @@ class AdmissionController:
         if self._stopping.is_set():
             raise SandboxClosed("the admission controller is shut down; no new sandboxes")
         limits = self.config.effective_limits(task.limits)
-        effective_task = task if limits == task.limits else dataclasses.replace(task, limits=limits)
+        steps = tuple(
+            dataclasses.replace(step, limits=self.config.effective_limits(step.limits)) for step in task.steps
+        )
+        effective_task = (
+            task
+            if limits == task.limits and steps == task.steps
+            else dataclasses.replace(task, limits=limits, steps=steps)
+        )
         trial = _Trial(trial_id or uuid.uuid4().hex, run_id, effective_task, limits)
         with self._lock:
             if trial.trial_id in self._open or trial.trial_id in self._recent_closed:
@@ -604,7 +613,8 @@ class AdmissionController:
             trial.state = TrialState.VERIFYING
             backend = trial.backend
             assert backend is not None
-            budget = min(trial.limits.verifier_timeout_sec, trial.total_deadline - now)
+            step_limits = step_view(trial.task, trial.step).limits
+            budget = min(step_limits.verifier_timeout_sec, trial.total_deadline - now)
         call_id = self._register_call(trial, now + budget + self.config.call_grace_sec)
         try:
             report = backend.verify()
@@ -619,6 +629,11 @@ class AdmissionController:
             reason = trial.close_reason
             if reason is None:
                 trial.state = TrialState.VERIFIED
+                if failure is None and trial.step + 1 < step_count(trial.task):  # the next step begins
+                    trial.step += 1
+                    trial.state = TrialState.READY
+                    agent_sec = step_view(trial.task, trial.step).limits.agent_timeout_sec
+                    trial.agent_deadline = min(self._clock() + agent_sec, trial.total_deadline)
         if reason is CloseReason.TOTAL_DEADLINE or reason is CloseReason.WATCHDOG:
             # The verifier was running when time ran out: that is a verifier timeout, not a crash.
             return VerifierReport(

@@ -51,6 +51,15 @@ from sandbox_service.contracts import (
 )
 from sandbox_service.fidelity import build_failure_skip, environment_audit, verifier_network_skip
 from sandbox_service.solution import solution_commands
+from sandbox_service.steps import (
+    combined_report,
+    per_step_json,
+    setup_commands,
+    step_count,
+    step_name,
+    step_view,
+    stops_after,
+)
 from sandbox_service.tasks import UnsupportedTaskFormat, load_dataset
 
 CHUNK_TIMEOUT_SEC = 60.0  # one solution upload line
@@ -67,9 +76,11 @@ class TrialOutcome:
     failure_cause: str
     detail: str = ""
     output_tail: str = ""  # the verifier's console output (its last bytes)
+    reward: float | None = None  # the trial's (for a multi-step task, Harbor's over its steps)
+    steps: tuple[dict, ...] = ()  # a multi-step task's reports, one a step (`steps.per_step_json`)
 
     @classmethod
-    def of(cls, report: VerifierReport) -> TrialOutcome:
+    def of(cls, report: VerifierReport, steps: Sequence[dict] = ()) -> TrialOutcome:
         return cls(
             report.passed,
             report.total,
@@ -78,6 +89,8 @@ class TrialOutcome:
             report.failure_cause.value,
             report.detail,
             report.output_tail,
+            report.reward_value,
+            tuple(steps),
         )
 
     @property
@@ -265,9 +278,18 @@ def audit_task(
     if not environment.runnable:
         reason = f"{environment.skip_reason.value}: {environment.detail}"
         return TaskAudit(task.task_id, task.source_dir, False, None, None, reason, skipped=True, **base)
-    if task.solution_script is None:
-        return TaskAudit(task.task_id, task.source_dir, False, None, None, "no reference solution", **base)
-    task = dataclasses.replace(task, limits=capped_limits(task.limits, task_timeout_sec))
+    missing = [step.name for step in task.steps if step.solution_script is None]
+    if task.solution_script is None or missing:
+        reason = "no reference solution" + (f" for step(s) {', '.join(missing)}" if missing else "")
+        return TaskAudit(task.task_id, task.source_dir, False, None, None, reason, **base)
+    task = dataclasses.replace(
+        task,
+        limits=capped_limits(task.limits, task_timeout_sec),
+        steps=tuple(
+            dataclasses.replace(step, limits=capped_limits(step.limits, task_timeout_sec))
+            for step in task.steps
+        ),
+    )
     try:
         solution, solution_note, solution_run = _run_trial(task, provider, run_id, with_solution=True)
         noop, _, _ = _run_trial(task, provider, run_id, with_solution=False)
@@ -325,17 +347,46 @@ def _run_trial(task: Task, provider: SandboxProvider, run_id: str, *, with_solut
     TrialOutcome, str, str
 ]:  # fmt: skip
     sandbox = provider.create(task, run_id=run_id)
-    note = output = ""
+    notes, output, reports = [], "", []
     try:
-        if with_solution:
-            result = run_solution(task, sandbox)
-            output = (result.stdout + result.stderr)[-4000:]
-            if result.timed_out or result.exit_code != 0:
-                why = "timed out" if result.timed_out else f"exited {result.exit_code}"
-                note = f"solution {why}: {(result.stderr or result.stdout).strip()[-300:]}"
-        return TrialOutcome.of(sandbox.verify()), note, output
+        workdir = ""  # where the step's workdir/ files go: the shell's start directory, as Harbor's `pwd`
+        if task.steps:
+            workdir = sandbox.exec("pwd", CHUNK_TIMEOUT_SEC).stdout.strip() or "/"
+        for index in range(step_count(task)):  # a multi-step task: Harbor's oracle, step by step
+            view, label = step_view(task, index), f"step {step_name(task, index)}: " if task.steps else ""
+            setup = _run_lines(sandbox, setup_commands(task, index, workdir=workdir), view)
+            if setup is not None and (setup.timed_out or setup.exit_code != 0):
+                notes.append(f"{label}setup.sh failed: {(setup.stderr or setup.stdout).strip()[-300:]}")
+                break  # Harbor: a step whose setup failed is not run, and the trial ends
+            if with_solution:
+                result = run_solution(view, sandbox)
+                output = (result.stdout + result.stderr)[-4000:]
+                if result.timed_out or result.exit_code != 0:
+                    why = "timed out" if result.timed_out else f"exited {result.exit_code}"
+                    notes.append(f"{label}solution {why}: {(result.stderr or result.stdout).strip()[-300:]}")
+            reports.append(sandbox.verify())
+            if stops_after(task, index, reports[-1]):
+                break
+        if not reports:
+            report = VerifierReport((), False, FailureCause.SANDBOX_ERROR, None, None, "; ".join(notes))
+            return TrialOutcome.of(report), "; ".join(notes), output
+        if not task.steps:
+            return TrialOutcome.of(reports[0]), "; ".join(notes), output
+        combined = combined_report(task, reports)
+        return TrialOutcome.of(combined, per_step_json(task, reports)), "; ".join(notes), output
     finally:
         sandbox.close()
+
+
+def _run_lines(sandbox, lines: list[str], task: Task):
+    """Run shell lines through `exec`, stopping at the first that fails; the last result (None: no lines)."""
+    result = None
+    for number, line in enumerate(lines, start=1):
+        last = number == len(lines)
+        result = sandbox.exec(line, task.limits.agent_timeout_sec if last else CHUNK_TIMEOUT_SEC)
+        if result.exit_code != 0:
+            break
+    return result
 
 
 def run_solution(task: Task, sandbox):

@@ -282,9 +282,10 @@ class RemoteSandbox:
         return wire.terminal_read_from_json(reply)
 
     def verify(self) -> VerifierReport:
-        reply = self._client._request(
-            "POST", f"/sandboxes/{self._sandbox_id}/verify", timeout_sec=self.limits.verifier_timeout_sec
+        longest = max(
+            [self.limits.verifier_timeout_sec, *(s.limits.verifier_timeout_sec for s in self._task.steps)]
         )
+        reply = self._client._request("POST", f"/sandboxes/{self._sandbox_id}/verify", timeout_sec=longest)
         return wire.verifier_report_from_json(reply)
 
     def close(self) -> None:

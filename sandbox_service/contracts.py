@@ -72,6 +72,30 @@ class EnvironmentSpec:
 
 
 @dataclass(frozen=True)
+class TaskStep:
+    """One step of a multi-step Harbor task (`[[steps]]` in task.toml, `steps/<name>/`).
+
+    The agent gets `instruction`; the step's verifier sees in /tests the directories of
+    `tests_layers` copied in order (the task's shared `tests/`, then the step's own `tests/`: a file
+    of the step's replaces the shared one), runs `tests_dir / "test.sh"` (the step's if it has one,
+    else the shared one) and the same integrity rules as a one-step task. `workdir_dir` holds files
+    put in the workdir before the step (`setup.sh` among them is run). `min_reward` (Harbor's) ends
+    the trial after this step when its reward is below it (a float gates "reward"; a table gates
+    each key). `limits` are the step's agent and verifier deadlines (the task's when unset).
+    """
+
+    name: str
+    instruction: str
+    tests_layers: tuple[Path, ...]
+    tests_dir: Path
+    limits: TaskLimits
+    solution_script: Path | None = None
+    workdir_dir: Path | None = None
+    verifier_env: Mapping[str, str] = field(default_factory=dict)
+    min_reward: float | Mapping[str, float] | None = None
+
+
+@dataclass(frozen=True)
 class Task:
     """One self-contained terminal task: instruction, environment, held-out verifier, solution.
 
@@ -81,6 +105,12 @@ class Task:
     `family` names the template a generated task was made from (Harbor `[metadata].family`;
     "" when it has none): tasks of one family succeed or fail together, so an evaluation's
     interval resamples families, and a task without one is its own.
+
+    A multi-step task has `steps` (in order); its own instruction, tests and solution are then its
+    first step's (`sandbox_service.steps.step_view(task, i)` is step i's view), and a sandbox of it
+    verifies once per step (see `Sandbox.verify`). `multi_step_reward` is Harbor's
+    `multi_step_reward_strategy`: "mean" (per key over the steps verified) or "final".
+    `tests_layers`, when set, are the directories /tests is made of, in order (else `tests_dir`).
     """
 
     task_id: str
@@ -100,6 +130,9 @@ class Task:
     # Harbor [solution].env / [verifier].env: set for the reference solution / the verifier only.
     solution_env: Mapping[str, str] = field(default_factory=dict)
     verifier_env: Mapping[str, str] = field(default_factory=dict)
+    steps: tuple[TaskStep, ...] = ()
+    multi_step_reward: str = "mean"
+    tests_layers: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -181,7 +214,7 @@ class SkipReason(str, enum.Enum):
     NEEDS_INTERNET = "needs_internet"  # its solution downloads, and the backend gives it no network
     UNREACHABLE_HOST = "unreachable_host"  # building its image fetches from a host this machine cannot reach
     MULTI_CONTAINER = "multi_container"  # docker-compose with several services
-    MULTI_STEP = "multi_step"  # Harbor [[steps]]
+    MULTI_STEP = "multi_step"  # Harbor [[steps]] on a backend that verifies once per sandbox
     NEEDS_GPU = "needs_gpu"
 
 
@@ -262,7 +295,13 @@ class EnvironmentAudit:
 class Sandbox(Protocol):
     """A live sandbox for one trial of one task. Lifecycle: created by a `SandboxProvider`,
     then any number of `exec` / `send_keys` calls, then `verify()` at most once, then `close()`.
-    After `verify()` the agent may not run anything more (calls raise)."""
+    After `verify()` the agent may not run anything more (calls raise).
+
+    A multi-step task (`task.steps`) repeats the agent phase and `verify()` once per step, in
+    order, in the same sandbox (files and processes carried over): `verify()` checks the current
+    step's tests and, unless it was the last step, opens the next step's
+    agent phase with that step's agent deadline. The caller decides whether to go on (Harbor's
+    `min_reward`: `sandbox_service.steps.stops_after`) or to `close()`."""
 
     @property
     def sandbox_id(self) -> str: ...
@@ -280,8 +319,9 @@ class Sandbox(Protocol):
         ...
 
     def verify(self) -> VerifierReport:
-        """End the agent phase, make the task's tests visible to the verifier only (checked against
-        the task's checksums), run the verifier under its own deadline, and parse its report.
+        """End the agent phase (of the current step), make the task's tests (the step's) visible to
+        the verifier only (checked against the task's checksums), run the verifier under its own
+        deadline, and parse its report.
         Processes the agent started (a service the task asked for) keep running until `close`,
         on the local and container backends; the verifier reaches them over the sandbox's network,
         sees its filesystem and sees (and may signal) those processes by the pids the agent saw,

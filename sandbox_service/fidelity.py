@@ -51,10 +51,17 @@ def environment_audit(task: Task, provider: SandboxProvider) -> EnvironmentAudit
     return apply_common_rules(audit, task, internet_granted=task.environment.allow_internet)
 
 
-def apply_common_rules(audit: EnvironmentAudit, task: Task, *, internet_granted: bool) -> EnvironmentAudit:
-    """`audit` with the rules every backend shares (GPU, needs-internet) applied, if it is runnable."""
+def apply_common_rules(
+    audit: EnvironmentAudit, task: Task, *, internet_granted: bool, verifies_steps: bool = True
+) -> EnvironmentAudit:
+    """`audit` with the rules every backend shares (GPU, needs-internet, multi-step) applied, if it
+    is runnable. `verifies_steps` False: the backend verifies once per sandbox (it stops the agent's
+    processes first), so a multi-step task is skipped."""
     if not audit.runnable:
         return audit
+    if task.steps and not verifies_steps:
+        detail = multi_step_refusal(audit.backend)
+        return dataclasses.replace(audit, skip_reason=SkipReason.MULTI_STEP, detail=detail)
     if task.environment.gpus > 0:
         return dataclasses.replace(
             audit,
@@ -62,7 +69,8 @@ def apply_common_rules(audit: EnvironmentAudit, task: Task, *, internet_granted:
             detail=f"the task asks for {task.environment.gpus} GPU(s)",
         )
     if task.environment.allow_internet and not internet_granted:
-        command = solution_network_use(task)
+        views = [task] + [dataclasses.replace(task, solution_script=s.solution_script) for s in task.steps]
+        command = next(filter(None, map(solution_network_use, views)), None)
         if command is not None:
             return dataclasses.replace(
                 audit,
@@ -72,6 +80,13 @@ def apply_common_rules(audit: EnvironmentAudit, task: Task, *, internet_granted:
                 "(the task allows internet; --allow-internet lets it through)",
             )
     return audit
+
+
+def multi_step_refusal(backend: str) -> str:
+    return (
+        f"a multi-step task: the {backend} backend stops the agent's processes to verify, so it cannot "
+        "carry a step's environment into the next (the local and container backends can)"
+    )
 
 
 # What resolvers, downloaders and package managers print when a host name does not resolve; each

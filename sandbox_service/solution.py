@@ -65,11 +65,7 @@ def solution_commands(task: Task, *, workdir: str | None = None) -> list[str]:
     if source is None:
         raise ValueError(f"task {task.task_id!r} has no reference solution")
     path, entry = source
-    encoded = base64.b64encode(_tar_gz(path)).decode("ascii")
-    lines = [f"rm -f {ARCHIVE}"]
-    lines += [
-        f"printf %s {encoded[i : i + CHUNK_CHARS]} >> {ARCHIVE}" for i in range(0, len(encoded), CHUNK_CHARS)
-    ]
+    lines = archive_lines(path, ARCHIVE)
     exports = "".join(
         f"export {key}={shlex.quote(value)}; " for key, value in sorted(task.solution_env.items())
     )
@@ -87,6 +83,18 @@ def solution_commands(task: Task, *, workdir: str | None = None) -> list[str]:
             raise ValueError(
                 f"task {task.task_id!r}: a solution command line is unusable ({len(line)} chars)"
             )
+    return lines
+
+
+def archive_lines(source: Path, archive: str) -> list[str]:
+    """Lines that write `source` (a directory's contents, or one file) as a base64 gzip tar to the
+    file `archive` in the sandbox, `CHUNK_CHARS` characters a line (`base64 -d archive | tar -xz`
+    unpacks it)."""
+    encoded = base64.b64encode(_tar_gz(source)).decode("ascii")
+    lines = [f"rm -f {archive}"]
+    lines += [
+        f"printf %s {encoded[i : i + CHUNK_CHARS]} >> {archive}" for i in range(0, len(encoded), CHUNK_CHARS)
+    ]
     return lines
 
 

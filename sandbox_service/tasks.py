@@ -10,11 +10,13 @@ Layouts (see shared/reference/terminal-bench-and-harness.md):
   `instruction.md`, `environment/` (Dockerfile, or only `[environment].docker_image`),
   `tests/test.sh`, `solution/solve.sh` (optional).
 
-Formats no backend here runs are rejected at load time with the reason named, as
-`UnsupportedTaskFormat` (a `TaskLoadError` carrying a `SkipReason`): Harbor multi-step tasks
-(`[[steps]]` in task.toml, a `steps/` directory) and docker-compose environments with more than
-one service. Both would need a contract this service does not have (verification per step, several
-containers per trial); their `skip_reason` lets `check-tasks` and the eval report them as skipped.
+Harbor multi-step tasks (`[[steps]]` in task.toml, `steps/<name>/instruction.md`, optional
+`steps/<name>/tests/`, `solution/solve.sh`, `workdir/`; `multi_step_reward_strategy`) load with
+`Task.steps` (`sandbox_service.steps` owns what they mean); like Harbor, a `steps/` directory
+without `[[steps]]` is ignored. Formats no backend here runs are rejected at load time with the
+reason named, as `UnsupportedTaskFormat` (a `TaskLoadError` carrying a `SkipReason`):
+docker-compose environments with more than one service (several containers per trial); its
+`skip_reason` lets `check-tasks` and the eval report it as skipped.
 
 Invariants:
 - `load_task` returns a `Task` only if the directory is complete and well-formed; otherwise it raises
@@ -27,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import tomllib
@@ -44,6 +47,7 @@ from sandbox_service.contracts import (
     Task,
     TaskLayout,
     TaskLimits,
+    TaskStep,
     UnsupportedEnvironment,
 )
 
@@ -172,22 +176,8 @@ def _load_harbor(task_dir: Path) -> Task:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise TaskLoadError(toml_path, "task.toml", f"invalid TOML: {error}") from error
 
-    steps = config.get("steps")
-    if steps is not None or (task_dir / "steps").is_dir():
-        names = (
-            [str(step.get("name", "?")) for step in steps if isinstance(step, Mapping)]
-            if isinstance(steps, list)
-            else sorted(p.name for p in (task_dir / "steps").iterdir() if p.is_dir())
-        )
-        raise UnsupportedTaskFormat(
-            toml_path,
-            "steps",
-            f"a multi-step Harbor task ({len(names)} steps: {', '.join(names[:6])}): "
-            "no backend here verifies "
-            "per step (the Sandbox contract verifies once per trial)",
-            SkipReason.MULTI_STEP,
-        )
-    instruction = _read_instruction_md(task_dir / "instruction.md")
+    steps_config = config.get("steps")
+    instruction = "" if steps_config else _read_instruction_md(task_dir / "instruction.md")
     task_table = _table(config, "task", toml_path)
     metadata = _table(config, "metadata", toml_path)
     verifier = _table(config, "verifier", toml_path)
@@ -202,9 +192,9 @@ def _load_harbor(task_dir: Path) -> Task:
         raise TaskLoadError(toml_path, "task.name", f"must be a non-empty string, got {name!r}")
 
     tests_dir = task_dir / "tests"
-    if not tests_dir.is_dir():
+    if not steps_config and not tests_dir.is_dir():
         raise TaskLoadError(tests_dir, "tests", "missing tests directory")
-    if not (tests_dir / "test.sh").is_file():
+    if not steps_config and not (tests_dir / "test.sh").is_file():
         raise TaskLoadError(tests_dir / "test.sh", "tests/test.sh", "missing verifier entry point")
     solution = task_dir / "solution" / "solve.sh"
 
@@ -214,6 +204,19 @@ def _load_harbor(task_dir: Path) -> Task:
     verifier_timeout = _positive(
         verifier, "timeout_sec", DEFAULT_VERIFIER_TIMEOUT_SEC, toml_path, "verifier.timeout_sec"
     )
+    limits = _limits(agent_timeout, verifier_timeout)
+    steps: tuple[TaskStep, ...] = ()
+    if steps_config is not None:
+        steps = _harbor_steps(task_dir, steps_config, toml_path, limits, verifier)
+        first = steps[0]
+        instruction, tests_dir, solution = first.instruction, first.tests_dir, first.solution_script
+        total = sum(step.limits.agent_timeout_sec + step.limits.verifier_timeout_sec for step in steps)
+        limits = dataclasses.replace(first.limits, total_timeout_sec=max(DEFAULT_TOTAL_TIMEOUT_SEC, total))
+    strategy = config.get("multi_step_reward_strategy", "mean") or "mean"
+    if strategy not in ("mean", "final"):
+        raise TaskLoadError(
+            toml_path, "multi_step_reward_strategy", f"must be 'mean' or 'final', got {strategy!r}"
+        )
     return Task(
         task_id=name.strip(),
         instruction=instruction,
@@ -222,16 +225,93 @@ def _load_harbor(task_dir: Path) -> Task:
         environment=spec,
         tests_dir=tests_dir,
         test_script=Path("test.sh"),
-        solution_script=solution if solution.is_file() else None,
+        solution_script=solution if solution is not None and solution.is_file() else None,
         difficulty=_difficulty(metadata.get("difficulty"), toml_path, "metadata.difficulty"),
         category=_string(metadata, "category", Task.__dataclass_fields__["category"].default, toml_path),
         tags=_tags(metadata.get("tags", task_table.get("keywords", [])), toml_path, "metadata.tags"),
         family=_family(metadata.get("family"), toml_path),
         parser_name="pytest",
-        limits=_limits(agent_timeout, verifier_timeout),
+        limits=limits,
         solution_env=_env_table(solution_table, toml_path, "solution.env"),
         verifier_env=_env_table(verifier, toml_path, "verifier.env"),
+        steps=steps,
+        multi_step_reward=strategy,
+        tests_layers=steps[0].tests_layers if steps else (),
     )
+
+
+_STEP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _harbor_steps(
+    task_dir: Path, steps: Any, toml_path: Path, task_limits: TaskLimits, task_verifier: Mapping[str, Any]
+) -> tuple[TaskStep, ...]:
+    """`[[steps]]` of task.toml with their `steps/<name>/` directories (Harbor's rules: a step's
+    test script is its own `tests/test.sh`, else the task's; its tests are the task's `tests/`
+    with its own over them; its deadlines default to the task's)."""
+    if not isinstance(steps, list) or not steps:
+        raise TaskLoadError(toml_path, "steps", "must be a non-empty array of tables ([[steps]])")
+    shared_tests = task_dir / "tests"
+    seen: set[str] = set()
+    loaded = []
+    for number, table in enumerate(steps, start=1):
+        where = f"steps[{number}]"
+        if not isinstance(table, Mapping):
+            raise TaskLoadError(toml_path, where, "must be a table")
+        name = table.get("name")
+        if not isinstance(name, str) or not _STEP_NAME.match(name) or name in (".", ".."):
+            raise TaskLoadError(
+                toml_path, f"{where}.name", f"must be a portable directory name, got {name!r}"
+            )
+        if name.casefold() in seen:
+            raise TaskLoadError(toml_path, f"{where}.name", f"step {name!r} appears twice")
+        seen.add(name.casefold())
+        step_dir = task_dir / "steps" / name
+        own_tests = step_dir / "tests"
+        layers = tuple(d for d in (shared_tests, own_tests) if d.is_dir())
+        script_dir = next((d for d in (own_tests, shared_tests) if (d / "test.sh").is_file()), None)
+        if script_dir is None:
+            raise TaskLoadError(
+                own_tests / "test.sh", f"{where} tests", "neither the step nor the task has tests/test.sh"
+            )
+        agent = _table(table, "agent", toml_path)
+        verifier = _table(table, "verifier", toml_path)
+        agent_timeout = _positive(
+            agent, "timeout_sec", task_limits.agent_timeout_sec, toml_path, f"{where}.agent.timeout_sec"
+        )
+        verifier_timeout = _positive(
+            verifier,
+            "timeout_sec",
+            task_limits.verifier_timeout_sec,
+            toml_path,
+            f"{where}.verifier.timeout_sec",
+        )
+        min_reward = table.get("min_reward")
+        number = (int, float)
+        if min_reward is not None and not (
+            (isinstance(min_reward, number) and not isinstance(min_reward, bool))
+            or (isinstance(min_reward, Mapping) and all(isinstance(v, number) for v in min_reward.values()))
+        ):
+            raise TaskLoadError(
+                toml_path, f"{where}.min_reward", f"must be a number or a table, got {min_reward!r}"
+            )
+        instruction = _read_instruction_md(step_dir / "instruction.md")
+        solution = step_dir / "solution" / "solve.sh"
+        workdir = step_dir / "workdir"
+        loaded.append(
+            TaskStep(
+                name=name,
+                instruction=instruction,
+                tests_layers=layers,
+                tests_dir=script_dir,
+                limits=_limits(agent_timeout, verifier_timeout),
+                solution_script=solution if solution.is_file() else None,
+                workdir_dir=workdir if workdir.is_dir() else None,
+                verifier_env=_env_table(verifier, toml_path, f"{where}.verifier.env"),
+                min_reward=dict(min_reward) if isinstance(min_reward, Mapping) else min_reward,
+            )
+        )
+    return tuple(loaded)
 
 
 def _env_table(table: Mapping[str, Any], path: Path, field_name: str) -> dict[str, str]:

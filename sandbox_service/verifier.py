@@ -550,9 +550,11 @@ def tests_manifest(directory: Path) -> dict[str, str]:
 
 
 def task_tests_sources(task: Task) -> list[tuple[Path, str]]:
-    """(host path, name under /tests) of everything the verifier gets: the tests directory, and for
-    Terminal-Bench 1.x also `run-tests.sh` (the harness put both in /tests)."""
-    sources = [(task.tests_dir, ".")]
+    """(host path, name under /tests) of everything the verifier gets, in copy order: the tests
+    directory (or, for a step of a multi-step task, its `tests_layers`: a later layer's file
+    replaces an earlier one's), and for Terminal-Bench 1.x also `run-tests.sh` (the harness put
+    both in /tests)."""
+    sources = [(layer, ".") for layer in task.tests_layers or (task.tests_dir,)]
     if task.layout == TaskLayout.TERMINAL_BENCH_1:
         sources.append((task.source_dir / task.test_script, task.test_script.name))
     return sources

@@ -38,6 +38,7 @@ from sandbox_service.contracts import (
     Task,
     TaskLayout,
     TaskLimits,
+    TaskStep,
     TerminalRead,
     VerifierReport,
 )
@@ -188,7 +189,64 @@ def task_to_json(task: Task, root: Path | None = None) -> dict[str, Any]:
         "limits": limits_to_json(task.limits),
         "solution_env": dict(task.solution_env),
         "verifier_env": dict(task.verifier_env),
+        "tests_layers": [_path_to_json(layer, root, "tests_layers") for layer in task.tests_layers],
+        "multi_step_reward": task.multi_step_reward,
+        "steps": [
+            {
+                "name": step.name,
+                "instruction": step.instruction,
+                "tests_layers": [
+                    _path_to_json(layer, root, "steps.tests_layers") for layer in step.tests_layers
+                ],
+                "tests_dir": _path_to_json(step.tests_dir, root, "steps.tests_dir"),
+                "limits": limits_to_json(step.limits),
+                "solution_script": _path_to_json(step.solution_script, root, "steps.solution_script"),
+                "workdir_dir": _path_to_json(step.workdir_dir, root, "steps.workdir_dir"),
+                "verifier_env": dict(step.verifier_env),
+                "min_reward": dict(step.min_reward)
+                if isinstance(step.min_reward, Mapping)
+                else step.min_reward,
+            }
+            for step in task.steps
+        ],
     }
+
+
+def _steps_from_json(data: Any, root: Path) -> tuple[TaskStep, ...]:
+    if not isinstance(data, list):
+        raise BadRequest("task.steps must be a list")
+    steps = []
+    for number, item in enumerate(data, start=1):
+        where = f"task.steps[{number}]"
+        if not isinstance(item, Mapping):
+            raise BadRequest(f"{where} must be an object")
+        min_reward = item.get("min_reward")
+        if min_reward is not None and not (
+            (isinstance(min_reward, int | float) and not isinstance(min_reward, bool))
+            or (
+                isinstance(min_reward, Mapping)
+                and all(isinstance(v, int | float) for v in min_reward.values())
+            )
+        ):
+            raise BadRequest(f"{where}.min_reward must be a number or an object of numbers")
+        layers = item.get("tests_layers", [])
+        if not isinstance(layers, list):
+            raise BadRequest(f"{where}.tests_layers must be a list")
+        step = TaskStep(
+            name=_require(item, "name", str, where),
+            instruction=_require(item, "instruction", str, where),
+            tests_layers=tuple(_path_from_json(layer, root, "steps.tests_layers") for layer in layers),
+            tests_dir=_path_from_json(_require(item, "tests_dir", Mapping, where), root, "steps.tests_dir"),
+            limits=limits_from_json(_require(item, "limits", Mapping, where), f"{where}.limits"),
+            solution_script=_path_from_json(item.get("solution_script"), root, "steps.solution_script"),
+            workdir_dir=_path_from_json(item.get("workdir_dir"), root, "steps.workdir_dir"),
+            verifier_env=_string_map(item.get("verifier_env", {}), f"{where}.verifier_env"),
+            min_reward=dict(min_reward) if isinstance(min_reward, Mapping) else min_reward,
+        )
+        if not step.instruction.strip() or not (step.tests_dir / "test.sh").is_file():
+            raise BadRequest(f"{where}: empty instruction, or no test.sh in its tests directory")
+        steps.append(step)
+    return tuple(steps)
 
 
 def limits_to_json(limits: TaskLimits) -> dict[str, float]:
@@ -229,6 +287,18 @@ def _enum(cls: type, value: Any, where: str) -> Any:
     except ValueError:
         allowed = ", ".join(member.value for member in cls)  # type: ignore[attr-defined]
         raise BadRequest(f"{where} = {value!r} is not one of: {allowed}") from None
+
+
+def _enum_value(value: Any, allowed: tuple[str, ...], where: str) -> str:
+    if value not in allowed:
+        raise BadRequest(f"{where}.multi_step_reward = {value!r} is not one of: {', '.join(allowed)}")
+    return value
+
+
+def _list(value: Any) -> list:
+    if not isinstance(value, list):
+        raise BadRequest("task.tests_layers must be a list")
+    return value
 
 
 def _string_map(value: Any, where: str) -> dict[str, str]:
@@ -288,6 +358,11 @@ def task_from_json(data: Any, root: Path) -> Task:
         limits=limits_from_json(_require(data, "limits", Mapping, "task"), "task.limits"),
         solution_env=_string_map(data.get("solution_env", {}), "task.solution_env"),
         verifier_env=_string_map(data.get("verifier_env", {}), "task.verifier_env"),
+        steps=_steps_from_json(data.get("steps", []), root),
+        multi_step_reward=_enum_value(data.get("multi_step_reward", "mean"), ("mean", "final"), "task"),
+        tests_layers=tuple(
+            _path_from_json(layer, root, "tests_layers") for layer in _list(data.get("tests_layers", []))
+        ),
     )
     if not task.task_id.strip():
         raise BadRequest("task.task_id is empty")

@@ -44,9 +44,9 @@ from sandbox_service.backends.container import (
     RunOutput,
     require_toolchain,
 )
-from sandbox_service.contracts import EnvironmentAudit, SkipReason, Task
+from sandbox_service.contracts import EnvironmentAudit, SkipReason, Task, UnsupportedEnvironment
 from sandbox_service.errors import BackendError
-from sandbox_service.fidelity import apply_common_rules
+from sandbox_service.fidelity import apply_common_rules, multi_step_refusal
 from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR
 
 MANAGED_BY = "t1jax-sandbox-service"
@@ -268,10 +268,13 @@ class KubernetesBackend:
                 task.task_id, self.name, None, base, (), SkipReason.UNSUPPORTED_IMAGE, str(error)
             )
         audit = EnvironmentAudit(task.task_id, self.name, image, base, (), None, "pulled by the cluster")
-        return apply_common_rules(audit, task, internet_granted=task.environment.allow_internet)
+        internet = task.environment.allow_internet
+        return apply_common_rules(audit, task, internet_granted=internet, verifies_steps=False)
 
     def create(self, task: Task, *, run_id: str = "default") -> KubernetesSandbox:
         require_toolchain(self.config.toolchain_dir)
+        if task.steps:
+            raise UnsupportedEnvironment(task.task_id, multi_step_refusal(self.name))
         self._ensure_network_policy(task)
         sandbox_id = f"t1jax-sbx-{uuid.uuid4().hex[:16]}"
         pod = self.pod_manifest(task, sandbox_id=sandbox_id, run_id=run_id)

@@ -111,6 +111,7 @@ from sandbox_service.envbuild import (
 from sandbox_service.fidelity import apply_common_rules
 from sandbox_service.host_trust import CA_MOUNT, host_ca_bundle, trust_env
 from sandbox_service.reports import build_report
+from sandbox_service.steps import step_count, step_view
 from sandbox_service.verifier import (
     DEFAULT_TOOLCHAIN_SUBDIR,
     IMAGE_MOUNT,
@@ -381,7 +382,8 @@ class LocalSandbox:
         self._terminal_started = False
         self._terminal_seen = ""
         self._terminal_lock = threading.Lock()
-        self._tests_manifest: dict[str, str] = {}
+        self._tests_manifests: list[dict[str, str]] = []  # one a step
+        self.step = 0  # the current step of a multi-step task (see `Sandbox.verify`)
         self.created_at = time.monotonic()
         self.agent_deadline = self.created_at + task.limits.agent_timeout_sec
         self.total_deadline = self.created_at + task.limits.total_timeout_sec
@@ -468,7 +470,7 @@ class LocalSandbox:
         with self._lock:
             self._check_usable()
             if self._state in (_State.VERIFYING, _State.VERIFIED):
-                raise SandboxLifecycleError(f"sandbox {self._id}: verify() already ran")
+                raise SandboxLifecycleError(f"sandbox {self._id}: verify() already ran for its last step")
             self._state = _State.VERIFYING
             while self._active_execs:  # a concurrent exec is being killed below; wait for it to return
                 self._stop_agent_calls()
@@ -483,6 +485,11 @@ class LocalSandbox:
             with self._lock:
                 if self._state == _State.VERIFYING:
                     self._state = _State.VERIFIED
+                    if self.step + 1 < step_count(self._task):  # the next step's agent phase
+                        self.step += 1
+                        self._state = _State.RUNNING
+                        agent_sec = step_view(self._task, self.step).limits.agent_timeout_sec
+                        self.agent_deadline = min(self.total_deadline, time.monotonic() + agent_sec)
 
     def close(self) -> None:
         with self._lock:
@@ -499,7 +506,9 @@ class LocalSandbox:
         """Record, limit and start the sandbox; on any failure undo everything and re-raise."""
         task, backend = self._task, self._backend
         try:
-            self._tests_manifest = manifest_of_sources(task)
+            self._tests_manifests = [
+                manifest_of_sources(step_view(task, index)) for index in range(step_count(task))
+            ]
             self.state_path.mkdir(parents=True)
             self.cgroups = backend.cgroups.planned(self._id)  # recorded before they exist
             self._write_meta()
@@ -917,7 +926,8 @@ class LocalSandbox:
     # -- verification -----------------------------------------------------------------------------
 
     def _verify(self) -> VerifierReport:
-        task, limits = self._task, self._task.limits
+        task = step_view(self._task, self.step)
+        limits = task.limits
         remaining_total = self.total_deadline - time.monotonic()
         timeout = min(limits.verifier_timeout_sec, remaining_total)
         if timeout <= 0:
@@ -940,7 +950,7 @@ class LocalSandbox:
             else:
                 shutil.copy2(source, tests / name)
         _make_world_readable(tests)
-        problems = diff_manifests(self._tests_manifest, tests_manifest(tests))
+        problems = diff_manifests(self._tests_manifests[self.step], tests_manifest(tests))
         if problems:
             detail = "tests differ from the task's at create time: " + ", ".join(problems[:10])
             return VerifierReport((), False, FailureCause.TESTS_TAMPERED, None, None, detail)

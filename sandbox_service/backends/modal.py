@@ -33,9 +33,9 @@ from sandbox_service.backends.container import (
     require_toolchain,
 )
 from sandbox_service.backends.kubernetes import KEEPALIVE_COMMAND, LABEL_RUN, LABEL_SANDBOX, LABEL_TASK
-from sandbox_service.contracts import EnvironmentAudit, Task
+from sandbox_service.contracts import EnvironmentAudit, Task, UnsupportedEnvironment
 from sandbox_service.errors import BackendError
-from sandbox_service.fidelity import apply_common_rules
+from sandbox_service.fidelity import apply_common_rules, multi_step_refusal
 from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR
 
 
@@ -101,10 +101,12 @@ class ModalBackend:
         audit = EnvironmentAudit(
             task.task_id, self.name, image, (env.docker_image,) if env.docker_image else (), ()
         )
-        return apply_common_rules(audit, task, internet_granted=env.allow_internet)
+        return apply_common_rules(audit, task, internet_granted=env.allow_internet, verifies_steps=False)
 
     def create(self, task: Task, *, run_id: str = "default") -> ModalSandbox:
         require_toolchain(self.config.toolchain_dir)
+        if task.steps:
+            raise UnsupportedEnvironment(task.task_id, multi_step_refusal(self.name))
         env = task.environment
         sandbox_id = f"t1jax-sbx-{uuid.uuid4().hex[:16]}"
         app = self.app()

@@ -95,6 +95,7 @@ from sandbox_service.errors import BackendError, SandboxClosed, SandboxStateErro
 from sandbox_service.fidelity import apply_common_rules, earlier_steps_note, unresolved_hosts
 from sandbox_service.host_trust import CA_MOUNT, host_ca_bundle, trust_env
 from sandbox_service.locks import file_lock
+from sandbox_service.steps import step_count, step_view
 from sandbox_service.verifier import (
     DEFAULT_TOOLCHAIN_SUBDIR,
     IMAGE_MOUNT,
@@ -683,7 +684,8 @@ class PodmanSandbox(ContainerSandbox):
         self.name = f"t1jax-{sandbox_id}"
         self.verifier_name = f"{self.name}-verify"
         self.state_path = backend.state_dir / sandbox_id
-        self._tests_manifest = manifest_of_sources(task)
+        self._tests_manifests = [manifest_of_sources(step_view(task, i)) for i in range(step_count(task))]
+        self.step = 0  # the current step of a multi-step task (see `Sandbox.verify`)
         self._evicted: str | None = None
         self._upper_dir: str | None = None
         self._workdir = _workdir(task, prepared)
@@ -843,9 +845,13 @@ class PodmanSandbox(ContainerSandbox):
             if self.closed:
                 raise SandboxClosed(f"verify interrupted: sandbox {self.sandbox_id} was closed") from error
             return VerifierReport((), False, FailureCause.SANDBOX_ERROR, None, None, str(error))
+        finally:
+            if not self.closed and self.step + 1 < step_count(self._task):  # the next step's agent phase
+                self.step += 1
+                self._verified = False
 
     def _verify(self) -> VerifierReport:
-        task, engine = self._task, self._backend.engine
+        task, engine = step_view(self._task, self.step), self._backend.engine
         verify_dir = self.state_path / "verify"
         shutil.rmtree(verify_dir, ignore_errors=True)
         tests, logs, scratch = verify_dir / "tests", verify_dir / "logs", verify_dir / "tmp"
@@ -858,7 +864,7 @@ class PodmanSandbox(ContainerSandbox):
                 shutil.copytree(source, tests, dirs_exist_ok=True, symlinks=True)
             else:
                 shutil.copy2(source, tests / name)
-        problems = diff_manifests(self._tests_manifest, tests_manifest(tests))
+        problems = diff_manifests(self._tests_manifests[self.step], tests_manifest(tests))
         if problems:
             detail = "tests differ from the task's at create time: " + ", ".join(problems[:10])
             return VerifierReport((), False, FailureCause.TESTS_TAMPERED, None, None, detail)

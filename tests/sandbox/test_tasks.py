@@ -206,15 +206,6 @@ def test_not_a_task_directory(tmp_path):
 
 
 def test_formats_no_backend_runs_are_rejected_at_load_time_with_the_reason(tmp_path):
-    multi_step = shutil.copytree(HARBOR_HELLO, tmp_path / "multi-step")
-    (multi_step / "instruction.md").unlink()  # multi-step tasks need none at the top level
-    (multi_step / "task.toml").write_text(
-        '[task]\nname = "m"\n[[steps]]\nname = "a"\n[[steps]]\nname = "b"\n'
-    )
-    with pytest.raises(UnsupportedTaskFormat) as raised:
-        load_task(multi_step)
-    assert raised.value.skip_reason == SkipReason.MULTI_STEP and raised.value.field == "steps"
-    assert "a multi-step Harbor task (2 steps: a, b)" in str(raised.value)
     compose = shutil.copytree(HARBOR_HELLO, tmp_path / "compose")
     (compose / "environment" / "docker-compose.yaml").write_text(
         "services:\n  main: {build: .}\n  db: {image: x}\n"

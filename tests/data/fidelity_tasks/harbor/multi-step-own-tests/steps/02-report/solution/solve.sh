@@ -1,0 +1,2 @@
+#!/bin/bash
+cut -d= -f2 /etc/app.conf > /app/report.txt
