@@ -27,7 +27,7 @@ DEFAULT_STAND_INS := python:3.11-slim python:3.11 debian:bookworm python:3.12-sl
 CORPUS_STAND_INS := golang:1.24-bookworm eclipse-temurin:21-jdk gcc:14
 
 .PHONY: setup setup-system setup-containers test test-slow test-containers bench lint setup-tpu \
-	test-tpu-contract demo ablation
+	test-tpu-contract demo ablation setup-harbor test-harbor
 
 setup: setup-system
 	$(PYTHON) -m venv $(VENV)
@@ -60,11 +60,17 @@ DEMO_OUT ?= runs/demo
 # (then RL over SFT over both seeds: t1jax compare --pool A/eval/rl-greedy B/eval/rl-greedy --against
 # A/eval/sft-greedy B/eval/sft-greedy)
 DEMO_SEED ?= 0
+# SUITE_SEED draws another suite (other train and held-out families): make demo SUITE_SEED=1
+# DEMO_OUT=runs/demo-suite1. Empty: demo.yaml's tasks.seed.
+SUITE_SEED ?=
+DEMO_ARGS = --config configs/demo/demo.yaml --out $(DEMO_OUT) --seed $(DEMO_SEED) $(if $(SUITE_SEED),--suite-seed $(SUITE_SEED))
 demo:
-	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(DEMO_OUT) --seed $(DEMO_SEED)
+	$(PY) -m t1jax.cli demo $(DEMO_ARGS)
 
+# Exits 0 only when the demo's verdict holds and the paper's choices (the critic's advantages, the
+# test-count reward) beat their ablated alternatives beyond the noise.
 ablation:
-	$(PY) -m t1jax.cli demo --config configs/demo/demo.yaml --out $(DEMO_OUT) --seed $(DEMO_SEED) --ablation
+	$(PY) -m t1jax.cli demo $(DEMO_ARGS) --ablation
 
 test-slow:
 	$(PY) -m pytest -m "slow" -q
@@ -84,6 +90,27 @@ setup-tpu:
 	nice -n 10 $(TPU_PYTHON) -m venv $(TPU_VENV)
 	nice -n 10 $(TPU_PY) -m pip install --upgrade pip
 	nice -n 10 $(TPU_PY) -m pip install -e ".[tpu,dev]"
+
+# Harbor interoperability (docs/harbor.md): a Python 3.12 venv with the pinned `harbor` from PyPI
+# (its own pydantic models, job reader and viewer), t1jax installed there without its dependencies;
+# the jobs Harbor reads are written by `t1jax eval` in $(VENV). ~1 min to build.
+HARBOR_VERSION ?= 0.26.0
+HARBOR_PYTHON ?= $(TPU_PYTHON)
+HARBOR_VENV ?= .venv-harbor
+HARBOR_PY := $(HARBOR_VENV)/bin/python
+
+setup-harbor:
+	@test -n "$(HARBOR_PYTHON)" || { echo "setup-harbor: no Python 3.12 found; pass HARBOR_PYTHON=/path/to/python3.12"; exit 2; }
+	nice -n 10 $(HARBOR_PYTHON) -m venv $(HARBOR_VENV)
+	nice -n 10 $(HARBOR_PY) -m pip install -q --upgrade pip
+	nice -n 10 $(HARBOR_PY) -m pip install -q "harbor==$(HARBOR_VERSION)" pytest
+	nice -n 10 $(HARBOR_PY) -m pip install -q --no-deps -e .
+
+# Harbor's own code reading our jobs, tasks and trajectories (tests/harbor).
+test-harbor:
+	@test -x $(HARBOR_PY) || { echo "test-harbor: $(HARBOR_VENV) is missing; run 'make setup-harbor' first"; exit 2; }
+	@test -x $(PY) || { echo "test-harbor: $(VENV) is missing; run 'make setup' first"; exit 2; }
+	T1JAX_HARBOR=1 T1JAX_PYTHON=$(PY) $(HARBOR_PY) -m pytest -m harbor tests/harbor -q -p no:cacheprovider
 
 # Contract tests against the installed vLLM-TPU / tpu-inference / pathwaysutils, on CPU.
 test-tpu-contract:

@@ -3,18 +3,27 @@ scheduler, written in Harbor's job layout, resumable (paper §6.1).
 
 Job directory:
 
-    JOB/config.json                 the `EvalSettings` (what decides the results) + the agent
-    JOB/result.json                 aggregate: n_total_trials, n_errors, mean reward, resolved
+    JOB/config.json                 the `EvalSettings` (what decides the results), the job's id and
+                                    start, and Harbor's `JobConfig` fields
+    JOB/result.json                 aggregate: n_total_trials (every trial, skipped ones too),
+                                    n_trials (those that count), n_errors, mean reward, resolved
                                     rate with a bootstrap interval (over template families where
                                     the tasks name one), unbiased pass@k, mean action turns and
                                     trials ended at the turn limit, the same per category and
                                     difficulty, every error with its cause, every skipped task
-                                    with why
+                                    with why; Harbor's `JobResult` fields (id, times, stats)
     JOB/timing.json                 wall-clock facts (kept out of result.json, which a resumed
                                     job must reproduce exactly)
-    JOB/<task>__attempt-<k>/result.json          one trial: fate, reward, tests, cause, timings
-    JOB/<task>__attempt-<k>/agent/trajectory.json    turns with token ids and decoded text
-    JOB/<task>__attempt-<k>/verifier/{reward.txt, ctrf.json, report.json}
+    JOB/<task>__attempt-<k>/config.json          Harbor's `TrialConfig` (+ ours under "t1jax")
+    JOB/<task>__attempt-<k>/result.json          one trial: fate, reward, tests, cause, timings,
+                                                 and Harbor's `TrialResult` fields
+    JOB/<task>__attempt-<k>/agent/trajectory.json    ATIF, with the training extension
+                                                     (`t1jax.harbor.atif`)
+    JOB/<task>__attempt-<k>/verifier/{reward.txt, ctrf.json, report.json, test-stdout.txt}
+
+Harbor reads every one of these files with its own models (`t1jax.harbor.records`, checked by
+tests/harbor). A trial result names its task in `task_name` (Harbor's `task_id` is the task's
+directory); `task_of` reads either, so jobs written before that read alike.
 
 Invariants:
 - A trial directory is complete exactly when its `result.json` exists (written last, by an
@@ -50,12 +59,13 @@ from typing import Any
 from sandbox_service.cli_contract import UsageError
 from sandbox_service.contracts import EnvironmentAudit, Task, VerifierReport
 from t1jax.eval.passk import bootstrap_interval, cluster_names, mean_pass_at_k, resampled_units
+from t1jax.harbor import records as harbor
 from t1jax.rollout.types import SamplingParams
-from t1jax.runtime.records import resolved, trajectory_json
+from t1jax.runtime.records import resolved
 from t1jax.runtime.scheduler import FailureCause, FinishedTrial, TrialFate, TrialScheduler, TrialSpec
 from t1jax.tito.types import TrialStatus
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Harbor's fields; a job of format 1 is read, not resumed
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,34 @@ def sample_tasks(tasks: Sequence[Task], count: int | None) -> list[Task]:
     return [ordered[(index * len(ordered)) // count] for index in range(count)]
 
 
+def task_of(result: Mapping[str, Any]) -> str:
+    """The task id of a trial result (`task_name`; a format-1 job's `task_id`)."""
+    name = result.get("task_name")
+    return name if isinstance(name, str) else result["task_id"]
+
+
+def verifier_report_of(result: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """A trial result's verifier report record (`verifier_report`; a format-1 job's `verifier`)."""
+    if "verifier_report" in result:
+        return result["verifier_report"]
+    old = result.get("verifier")
+    return old if isinstance(old, Mapping) and "assertions" in old else None
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What a trial record needs to know of its job for Harbor's fields: the directory, the
+    job's id (uuid, kept across resumes) and the dataset's name (Harbor's `source`)."""
+
+    job_dir: Path
+    job_id: str
+    source: str | None = None
+
+
+def _agent_kwargs(settings: EvalSettings) -> dict[str, Any]:
+    return {k: v for k, v in settings.to_json().items() if k not in ("tasks_dir", "agent", "checkpoint")}
+
+
 def trial_name(task: Task, attempt: int) -> str:
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", task.task_id).strip("-") or "task"
     return f"{slug}__attempt-{attempt}"
@@ -171,9 +209,11 @@ def harbor_reward(report: VerifierReport | None) -> float:
 
 
 def trial_result(
-    trial: FinishedTrial, settings: EvalSettings, environment: EnvironmentAudit | None = None
-) -> dict[str, Any]:
-    """The trial's `result.json`: deterministic fields first, `timings` last."""
+    trial: FinishedTrial, settings: EvalSettings, environment: EnvironmentAudit | None = None,
+    job: JobContext | None = None, finished_at: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The trial's `result.json`: ours, deterministic fields first, `timings` last; then, for a
+    trial of a job (`job`), Harbor's `TrialResult` fields."""
     task = trial.task
     trajectory = trial.trajectory
     report = trajectory.verifier_report if trajectory is not None else None
@@ -181,9 +221,10 @@ def trial_result(
     skipped = trial.cause is FailureCause.SANDBOX_UNSUPPORTED
     passed = report.passed if (report is not None and completed) else 0
     total = report.total if report is not None else 0
-    return {
+    error = None if completed or skipped else (trial.cause.value if trial.cause else trial.fate.value)
+    ours = {
         "trial_name": trial.trial_id,
-        "task_id": task.task_id,
+        "task_name": task.task_id,
         "attempt": trial.spec.attempt,
         "category": task.category,
         "difficulty": task.difficulty.value,
@@ -191,7 +232,7 @@ def trial_result(
         "agent": settings.agent,
         "fate": trial.fate.value,
         "skipped": skipped,
-        "error": None if completed or skipped else (trial.cause.value if trial.cause else trial.fate.value),
+        "error": error,
         "detail": trial.detail[:2000],
         "resolved": completed and resolved(report),
         "reward": harbor_reward(report) if completed else 0.0,
@@ -201,10 +242,30 @@ def trial_result(
         "status": trajectory.status.value if trajectory is not None else None,
         "action_turns": trial.action_turns,
         "policy_version": trial.policy_version,
-        "verifier": None if report is None else _report_json(report),
+        "verifier_report": None if report is None else _report_json(report),
         **environment_fields(environment),
         "timings": dataclasses.asdict(trial.timings),
     }
+    if job is None:
+        return ours
+    turns = trajectory.turns if trajectory is not None else ()
+    tokens = None
+    if turns:
+        tokens = (sum(len(t.prompt_ids) for t in turns), sum(len(t.completion_ids) for t in turns))
+    cause = FailureCause.SANDBOX_UNSUPPORTED.value if skipped else error
+    return {
+        **ours,
+        **harbor.trial_fields(
+            job_id=job.job_id, job_dir=job.job_dir, trial_name=trial.trial_id, task_name=task.task_id,
+            task_dir=task.source_dir, source=job.source, agent=settings.agent, checkpoint=settings.checkpoint,
+            reward=harbor_reward(report) if completed and report is not None else None,
+            error=None if cause is None else (cause, trial.detail[:2000]),
+            durations=None if not trial.started else ours["timings"],
+            finished_at=time.time() if finished_at is None else finished_at, tokens=tokens,
+            agent_kwargs=_agent_kwargs(settings),
+            backend=None if environment is None else environment.backend,
+        ),
+    }  # fmt: skip
 
 
 def environment_fields(environment: EnvironmentAudit | None) -> dict[str, Any]:
@@ -224,11 +285,14 @@ def environment_fields(environment: EnvironmentAudit | None) -> dict[str, Any]:
     }
 
 
-def skipped_result(task: Task, attempt: int, settings: EvalSettings, environment: EnvironmentAudit):
+def skipped_result(
+    task: Task, attempt: int, settings: EvalSettings, environment: EnvironmentAudit,
+    job: JobContext | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The result of a trial never started: the backend's audit says it cannot run the task."""
-    return {
+    ours = {
         "trial_name": trial_name(task, attempt),
-        "task_id": task.task_id,
+        "task_name": task.task_id,
         "attempt": attempt,
         "category": task.category,
         "difficulty": task.difficulty.value,
@@ -246,10 +310,22 @@ def skipped_result(task: Task, attempt: int, settings: EvalSettings, environment
         "status": None,
         "action_turns": 0,
         "policy_version": None,
-        "verifier": None,
+        "verifier_report": None,
         **environment_fields(environment),
         "timings": None,
     }
+    if job is None:
+        return ours
+    return {
+        **ours,
+        **harbor.trial_fields(
+            job_id=job.job_id, job_dir=job.job_dir, trial_name=ours["trial_name"], task_name=task.task_id,
+            task_dir=task.source_dir, source=job.source, agent=settings.agent, checkpoint=settings.checkpoint,
+            reward=None, error=(FailureCause.SANDBOX_UNSUPPORTED.value, ours["detail"]), durations=None,
+            finished_at=time.time(), tokens=None, agent_kwargs=_agent_kwargs(settings),
+            backend=environment.backend,
+        ),
+    }  # fmt: skip
 
 
 def _report_json(report: VerifierReport) -> dict[str, Any]:
@@ -283,25 +359,38 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_trial(
-    job_dir: Path, trial: FinishedTrial, settings: EvalSettings, decode, environment=None
+def trial_config(
+    spec: TrialSpec, settings: EvalSettings, environment: EnvironmentAudit | None, job: JobContext
 ) -> dict[str, Any]:
+    """A trial's `config.json`: Harbor's `TrialConfig`, ours under "t1jax"."""
+    config = harbor.trial_config(
+        job_id=job.job_id, job_dir=Path(job.job_dir).resolve(), trial_name=spec.trial_id,
+        task_dir=spec.task.source_dir,
+        agent=harbor.agent_config(settings.agent, settings.checkpoint, _agent_kwargs(settings)),
+        backend=None if environment is None else environment.backend,
+    )  # fmt: skip
+    config["t1jax"] = {
+        "task_id": spec.task.task_id,
+        "attempt": spec.attempt,
+        "sampling": dataclasses.asdict(spec.sampling),
+    }
+    return config
+
+
+def write_trial(
+    job_dir: Path, trial: FinishedTrial, settings: EvalSettings, decode, environment=None,
+    job: JobContext | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Write one trial's directory; `result.json` goes last, so its presence means complete."""
+    from t1jax.harbor.atif import trajectory_record
+
+    job = job or JobContext(Path(job_dir), harbor.trial_uuid("", str(Path(job_dir).resolve())))
     directory = job_dir / trial.trial_id
     if directory.exists():
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
-    _write_json(
-        directory / "config.json",
-        {
-            "trial_name": trial.trial_id,
-            "task_id": trial.task.task_id,
-            "task_dir": str(trial.task.source_dir),
-            "attempt": trial.spec.attempt,
-            "sampling": dataclasses.asdict(trial.spec.sampling),
-        },
-    )
-    record = trajectory_json(trial, decode)
+    _write_json(directory / "config.json", trial_config(trial.spec, settings, environment, job))
+    record = trajectory_record(trial, decode, harbor.agent_info(settings.agent, settings.checkpoint))
     if record is not None:
         _write_json(directory / "agent" / "trajectory.json", record)
     report = trial.trajectory.verifier_report if trial.trajectory is not None else None
@@ -310,7 +399,10 @@ def write_trial(
         (directory / "verifier" / "reward.txt").write_text(f"{harbor_reward(report):g}\n")
         _write_json(directory / "verifier" / "ctrf.json", ctrf_json(report))
         _write_json(directory / "verifier" / "report.json", _report_json(report))
-    result = trial_result(trial, settings, environment)
+        # the verifier's console output as the sandbox kept it (its tail; stdout and stderr
+        # interleaved, so there is no separate test-stderr.txt)
+        (directory / "verifier" / "test-stdout.txt").write_text(report.output_tail)
+    result = trial_result(trial, settings, environment, job)
     _write_json(directory / "result.json", result)
     return result
 
@@ -325,14 +417,14 @@ def aggregate(results: Iterable[Mapping[str, Any]], load_errors: Sequence[tuple[
     skipped_tasks: dict[str, str] = {}
     for r in results:
         if r["skipped"]:
-            skipped_tasks.setdefault(r["task_id"], r["detail"])
+            skipped_tasks.setdefault(task_of(r), r["detail"])
     for path, reason in load_errors:
         skipped_tasks.setdefault(path, f"failed to load: {reason}")
 
     def summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         per_task: dict[str, list[bool]] = defaultdict(list)
         for r in rows:
-            per_task[r["task_id"]].append(bool(r["resolved"]))
+            per_task[task_of(r)].append(bool(r["resolved"]))
         n = len(rows)
         out: dict[str, Any] = {
             "n_trials": n,
@@ -355,7 +447,7 @@ def aggregate(results: Iterable[Mapping[str, Any]], load_errors: Sequence[tuple[
         out["pass_at_k"] = {str(k): _round(mean_pass_at_k(counts, k)) for k in range(1, attempts + 1)}
         # over template families where the tasks name one (`Task.family`): they flip together
         tasks = sorted(per_task)
-        families = {r["task_id"]: r["family"] for r in rows if r.get("family")}
+        families = {task_of(r): r["family"] for r in rows if r.get("family")}
         interval = bootstrap_interval([per_task[t] for t in tasks], clusters=cluster_names(tasks, families))
         out["resolved_rate_ci95"] = None if interval is None else [_round(v) for v in interval]
         out["ci95_resampled"] = resampled_units(tasks, families)
@@ -372,10 +464,11 @@ def aggregate(results: Iterable[Mapping[str, Any]], load_errors: Sequence[tuple[
     unfaithful: dict[str, str] = {}
     for r in counted:
         if r.get("faithful") is False:
-            unfaithful.setdefault(r["task_id"], r["environment"]["describe"])
+            unfaithful.setdefault(task_of(r), r["environment"]["describe"])
     return {
         "format_version": FORMAT_VERSION,
-        "n_total_trials": len(counted),
+        "n_total_trials": len(results),  # Harbor's meaning: every trial of the job
+        "n_trials": len(counted),
         "n_errors": overall["n_errors"],
         "n_skipped_tasks": len(skipped_tasks),
         **{k: v for k, v in overall.items() if k not in ("n_trials", "n_errors")},
@@ -384,7 +477,7 @@ def aggregate(results: Iterable[Mapping[str, Any]], load_errors: Sequence[tuple[
         "errors": [
             {
                 "trial_name": r["trial_name"],
-                "task_id": r["task_id"],
+                "task_id": task_of(r),
                 "cause": r["error"],
                 "detail": r["detail"][:300],
             }
@@ -417,6 +510,7 @@ class EvalJob:
         self.load_errors = [(str(getattr(e, "path", "?")), str(e)) for e in load_errors]
         self.specs = plan_trials(self.tasks, settings)
         self.environments: dict[str, EnvironmentAudit] = {}
+        self.identity: dict[str, str] = {}  # the job's Harbor id and start (config.json)
 
     def audit_environments(self, provider) -> None:
         """Ask `provider` how it will run each task (no sandbox starts); results name it, and the
@@ -425,25 +519,50 @@ class EvalJob:
 
         self.environments = {task.task_id: environment_audit(task, provider) for task in self.tasks}
 
+    @property
+    def context(self) -> JobContext:
+        return JobContext(self.job_dir, self.identity["id"], Path(self.settings.tasks_dir).name or None)
+
     def prepare(self) -> tuple[list[TrialSpec], dict[str, dict[str, Any]]]:
         """Create or check the job directory; returns (trials to run, results already on disk)."""
         config_path = self.job_dir / "config.json"
-        config = {"format_version": FORMAT_VERSION, "settings": self.settings.to_json()}
+        ours = {"format_version": FORMAT_VERSION, "settings": self.settings.to_json()}
         if config_path.exists():
             existing = json.loads(config_path.read_text())
-            if existing != config:
+            if {k: existing.get(k) for k in ours} != ours:
                 changed = sorted(
                     key
-                    for key in set(existing.get("settings", {})) | set(config["settings"])
-                    if existing.get("settings", {}).get(key) != config["settings"].get(key)
+                    for key in set(existing.get("settings", {})) | set(ours["settings"])
+                    if existing.get("settings", {}).get(key) != ours["settings"].get(key)
                 )
+                # bad input (the --out of another job), refused before any trial runs
+                if not changed and existing.get("format_version") != FORMAT_VERSION:
+                    raise UsageError(
+                        f"{self.job_dir} holds a job of format {existing.get('format_version')} (an older "
+                        f"t1jax; this one writes format {FORMAT_VERSION}): it reads, but cannot be resumed; "
+                        "pass another --out"
+                    )
                 differ = ", ".join(changed) or "format"
-                raise UsageError(  # the --out of another job: refused before any trial runs
+                raise UsageError(
                     f"{self.job_dir} holds a job with other settings ({differ} differ); "
                     "resume it with the same arguments or pass another --out"
                 )
+            self.identity = {"id": existing["id"], "started_at": existing["started_at"]}
         else:
+            import uuid
+
             self.job_dir.mkdir(parents=True, exist_ok=True)
+            self.identity = {"id": str(uuid.uuid4()), "started_at": harbor.iso(time.time())}
+            settings = self.settings
+            config = {
+                **harbor.job_config(
+                    job_dir=self.job_dir, tasks_dir=settings.tasks_dir, attempts=settings.attempts,
+                    agent=settings.agent, checkpoint=settings.checkpoint,
+                    agent_kwargs=_agent_kwargs(settings),
+                ),
+                **ours,
+                **self.identity,
+            }  # fmt: skip
             _write_json(config_path, config)
         done: dict[str, dict[str, Any]] = {}
         todo: list[TrialSpec] = []
@@ -452,7 +571,10 @@ class EvalJob:
             environment = self.environments.get(spec.task.task_id)
             if environment is not None and not environment.runnable and not result_path.exists():
                 result_path.parent.mkdir(parents=True, exist_ok=True)
-                _write_json(result_path, skipped_result(spec.task, spec.attempt, self.settings, environment))
+                _write_json(result_path.parent / "config.json", trial_config(spec, self.settings, environment,
+                                                                             self.context))  # fmt: skip
+                skipped = skipped_result(spec.task, spec.attempt, self.settings, environment, self.context)
+                _write_json(result_path, skipped)
             if result_path.exists():
                 done[spec.trial_id] = json.loads(result_path.read_text())
             else:
@@ -489,7 +611,8 @@ class EvalJob:
                 if trial.fate is TrialFate.CANCELLED:  # interrupted: not a result, rerun on resume
                     continue
                 results[trial.trial_id] = write_trial(
-                    self.job_dir, trial, self.settings, decode, self.environments.get(trial.task.task_id)
+                    self.job_dir, trial, self.settings, decode, self.environments.get(trial.task.task_id),
+                    self.context,
                 )
                 if on_trial is not None:
                     on_trial(results[trial.trial_id], len(results), len(self.specs))
@@ -497,7 +620,9 @@ class EvalJob:
             if rollout is not None:
                 rollout.cancel()
                 rollout.join()
-        result = aggregate(results.values(), self.load_errors, self.settings.attempts)
+        ours = aggregate(results.values(), self.load_errors, self.settings.attempts)
+        finished = [r for r in results.values() if "agent_info" in r]  # Harbor's fields (format 2)
+        result = {**harbor.job_fields(self.identity, finished, len(self.specs), time.time()), **ours}
         _write_json(self.job_dir / "result.json", result)
         _write_json(
             self.job_dir / "timing.json",
@@ -514,7 +639,7 @@ def trial_results(job_dir: str | Path) -> list[dict[str, Any]]:
 
 def task_families(results: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     """Task id -> template family (`Task.family`) of the trials that name one."""
-    return {result["task_id"]: result["family"] for result in results if result.get("family")}
+    return {task_of(result): result["family"] for result in results if result.get("family")}
 
 
 def per_task(results: Iterable[Mapping[str, Any]], key: str = "resolved") -> dict[str, list[float]]:
@@ -523,5 +648,5 @@ def per_task(results: Iterable[Mapping[str, Any]], key: str = "resolved") -> dic
     outcomes: dict[str, list[float]] = defaultdict(list)
     for result in results:
         if not result["skipped"]:
-            outcomes[result["task_id"]].append(float(result[key]))
+            outcomes[task_of(result)].append(float(result[key]))
     return dict(outcomes)

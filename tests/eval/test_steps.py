@@ -12,7 +12,7 @@ import pytest
 
 from t1jax.cli import main
 from t1jax.data.suite import SuiteConfig, generate_suite, step_of_test
-from t1jax.eval.job import trial_results
+from t1jax.eval.job import task_of, trial_results
 from t1jax.eval.steps import ANY_NAMED, OTHER_STEPS, StepCount, steps_by_mistake, task_plans
 
 
@@ -89,7 +89,7 @@ def test_the_oracle_does_every_step_of_generated_tasks_and_doing_nothing_not(tmp
     # each task alone: the no-op agent leaves some step of every task undone (its tests fail some)
     nop = trial_results(jobs["nop"])
     for task_id, plan in plans.items():
-        results = [r for r in nop if r["task_id"] == task_id]
+        results = [r for r in nop if task_of(r) == task_id]
         counts = steps_by_mistake(results, {task_id: plan}, [])
         assert counts[OTHER_STEPS].offered == len(plan["steps"])
         assert counts[OTHER_STEPS].done < len(plan["steps"]), task_id
