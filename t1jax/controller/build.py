@@ -13,8 +13,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from t1jax.checkpoints import resolve_checkpoint
 from t1jax.controller.config import ConfigError, RunConfig, resolve_path
-from t1jax.eval.checkpoint import resolve_checkpoint
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

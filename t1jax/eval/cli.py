@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.agent == "model" and not args.checkpoint:
         raise UsageError("--agent model (the default) needs --checkpoint; or use --agent oracle / nop")
     if args.agent == "model":
-        from t1jax.eval.checkpoint import parse_dtype, resolve_checkpoint
+        from t1jax.checkpoints import parse_dtype, resolve_checkpoint
 
         with checking_input():
             resolve_checkpoint(args.checkpoint)
@@ -314,7 +314,7 @@ def build_agent(settings, args) -> Agent:
         return Agent(sampler, tokenizer, settings.context_window, scripted=True, book=book)
     import jax
 
-    from t1jax.eval.checkpoint import load_policy
+    from t1jax.checkpoints import load_policy
     from t1jax.rollout.engine import EngineConfig, JaxEngine
 
     model, tokenizer, _ = load_policy(settings.checkpoint, settings.dtype)

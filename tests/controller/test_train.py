@@ -20,12 +20,12 @@ import yaml
 
 from sandbox_service.backends import register_backend
 from sandbox_service.backends.local import LocalBackend
+from t1jax.checkpoints import resolve_checkpoint
 from t1jax.controller.cli import train
 from t1jax.controller.config import run_config_from_dict
 from t1jax.controller.liveness import ComponentUnresponsive
 from t1jax.controller.loop import Controller
 from t1jax.controller.rundir import RunDir, read_metrics
-from t1jax.eval.checkpoint import resolve_checkpoint
 from t1jax.rl.learner import StalenessError
 from tests.compile_log import compile_log
 

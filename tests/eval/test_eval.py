@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from t1jax.cli import main
 from t1jax.checkpoints import checkpoint_dtype, resolve_checkpoint
+from t1jax.cli import main
 from t1jax.eval.passk import mean_pass_at_k, pass_at_k
 from t1jax.model import Qwen35MoeForCausalLM, load_config, save_pretrained
 

@@ -1,5 +1,5 @@
-"""Which weights `t1jax eval` (and the controller's evaluations) load, in which dtype, with which
-tokenizer.
+"""Which weights a command loads (`t1jax eval`, the controller's `model.*_checkpoint`), in which
+dtype, with which tokenizer. Below both the controller and the evaluator, which share it.
 
 A checkpoint argument is one of:
 - an HF directory (`config.json` + safetensors), e.g. a released Qwen3.5-MoE checkpoint or what
