@@ -108,7 +108,6 @@ class Controller:
         self.liveness: Liveness | None = None
         self.split = None
         self.completed_step = 0  # the last step whose state is checkpointed (set by _build on resume)
-        self.skip_publication_at: set[int] = set()  # fault injection for tests (a publication "lost")
         self.carried: list = []  # paused trials (partial rollouts), continued by the next rollout
         self._draw_of: dict[str, Any] = {}  # trial id -> the pool draw it plays
         self._relaunch: list = []  # draws a resumed run launches again (their trials died with the process)
@@ -286,10 +285,7 @@ class Controller:
                 collected = in_flight.wait(self._poll)
                 next_batch = self._collected(next_draws, collected, extra_draws)
             publish_started = time.monotonic()
-            if step in self.skip_publication_at:
-                log.warning("fault injection: the publication of step %d is skipped", step)
-            else:
-                publication = self._publish(step=step)
+            publication = self._publish(step=step)
             publish_sec = time.monotonic() - publish_started
             if not asynchronous and step < steps:
                 next_batch = self._collect(step + 1)

@@ -259,6 +259,17 @@ def test_sigkill_then_sigterm_then_resume_trains_the_same_draws(reference_run, t
     assert not live_sandboxes(tmp_path)  # what the killed process left was reaped
 
 
+class _LosesPublication(Controller):
+    """A controller whose publication after step 1 never reaches the sampler: the sampler keeps
+    serving the version before it (the fault the learner's staleness check must catch)."""
+
+    def _publish(self, step):
+        if step == 1:
+            return self._previous
+        self._previous = super()._publish(step)
+        return self._previous
+
+
 def test_task_groups_under_flaky_sandboxes_and_a_skipped_publication_tripping_the_staleness_check(tmp_path):
     """Groups of rollouts of one task (`schedule.rollouts_per_task: 3`, the per-task baseline),
     flaky sandboxes, and a publication that never happens: the groups are launched whole,
@@ -271,8 +282,7 @@ def test_task_groups_under_flaky_sandboxes_and_a_skipped_publication_tripping_th
     config = run_config_from_dict(raw)
     run_dir = RunDir(tmp_path / "run")
     run_dir.create(config.resolved())
-    controller = Controller(config, run_dir, resume=False, base_dir=tmp_path)
-    controller.skip_publication_at = {1}  # the learner's version 1 never reaches the sampler
+    controller = _LosesPublication(config, run_dir, resume=False, base_dir=tmp_path)
     with pytest.raises(StalenessError, match="2 actor updates behind .* expected exactly 1"):
         controller.run()
     rows = read_metrics(run_dir.path)
