@@ -3,8 +3,8 @@
 Each subcommand lives in its own module and contributes ``add_arguments(parser)`` and
 ``run(args) -> exit code``; register it in ``SUBCOMMANDS``. Only the module of the subcommand named
 on the command line is imported (``t1jax --help`` imports none): the planner's imports alone (jax,
-flax, the model) cost ~2 CPU seconds, which every ``t1jax tasks generate``, every demo stage and
-every bad-input check paid when the parser imported them all.
+flax, the model) cost ~2 CPU seconds, which a ``t1jax tasks generate``, a demo stage or a bad-input
+check should not pay.
 
 - ``t1jax plan``: rank sharding plans by per-device memory (``t1jax.tools.planner``).
 - ``t1jax eval``: evaluate a checkpoint (or the oracle / no-op agent) on a task directory

@@ -439,7 +439,7 @@ def aggregate(results: Iterable[Mapping[str, Any]], load_errors: Sequence[tuple[
             "mean_test_count_reward": _ratio(sum(r["test_count_reward"] for r in rows), n),
             # how long the agent acts, and how often the harness's turn budget ends it rather than
             # the agent (paper §6, Fig. 15 reports turns per checkpoint): RL that learns to act on
-            # past a task's last step shows here (docs/history/demo.md, 2026-12-06 fifth session)
+            # past a task's last step shows here first
             "mean_action_turns": _ratio(sum(r["action_turns"] for r in rows), n),
             "n_turn_limit": sum(r["status"] == TrialStatus.MAX_TURNS.value for r in rows),
         }

@@ -120,7 +120,7 @@ _KINDS = ((_sequence, 0.4), (_path, 0.2), (_lookup, 0.1), (_listing, 0.2), (_num
 # The first documents: long lists only. In the mix above a 128-token document holds ~15 short groups
 # over 16 recurring words, and no copy circuit forms within 250 steps (masked loss ~1.0, copied-word
 # accuracy at chance 1/16); two 10-30-word lists a document form it in ~150 steps, and the mix is
-# then learnt in ~50 more (measured: /work/notes/demo-research.md, issue 13).
+# then learnt in ~50 more.
 _LONG_LISTS = ((_long_sequence, 1.0),)
 _LONG_ITEM_LISTS = ((_long_item_sequence, 1.0),)
 
@@ -201,9 +201,9 @@ class PretrainConfig:
     distractor_rate: float = 0.6
     rows: int = 16
     length: int = 128
-    # 3e-3 formed the copy circuit in the long-list phase for seeds 0, 1 and 4 and never for 2 and 3
-    # (their base copied 0-3 of 16 path words at any distance); 1.5e-3 formed it for all five
-    # (10-16 of 16 at distances 10-250), 6e-3 for none (docs/history/demo.md, 2026-12-05 late).
+    # Whether the copy circuit forms depends on the seed and this rate: 1.5e-3 formed it for seeds
+    # 0-4 (10-16 of 16 path words copied at distances 10-250), 3e-3 for three of the five, 6e-3
+    # for none (the runs: docs/history/demo.md).
     learning_rate: float = 1.5e-3
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
