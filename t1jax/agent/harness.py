@@ -15,6 +15,9 @@ The loop (paper §6.1):
 - Limits: `max_turns` action turns, `max_tokens_per_turn`, `context_window`, a per-command
   duration cap, and the agent wall deadline (the task's, or the config's if shorter). The
   deadline and `cancel_event` also abort an in-flight sampler request (`Sampler.abort`).
+- The budget note (`HarnessConfig.budget_note`, off by default): the instruction and every later
+  observation end with the agent time and action turns left (`budget_note_format`), so a policy
+  is told its deadline instead of only being stopped by it.
 
 Token-in (paper §4.2): the harness keeps ids, never text. Turn i+1's prompt is
 `prompt_i + completion_i + glue_i`, where glue_i is the encoding of the template's closing of the
@@ -87,6 +90,11 @@ class TerminalMode(enum.StrEnum):
     EXEC = "exec"  # Sandbox.exec: one process per command, exit codes
 
 
+BUDGET_NOTE_FORMAT = (
+    "[budget: {time_left:.0f} s of {time_total:.0f} s and {turns_left} of {turns_total} turns left]"
+)
+
+
 @dataclass(frozen=True)
 class HarnessConfig:
     """Limits of one trial. Defaults follow the paper's evaluation harness (§6.1) where it states
@@ -117,6 +125,13 @@ class HarnessConfig:
     # (a publication crossed the trial) ends it with POLICY_VERSION_CHANGED instead of mixing.
     single_policy_version: bool = True
     prompt_profile: str = "full"  # system prompt, tool schemas, completion protocol: prompts.PROMPT_PROFILES
+    # The budget note (off by default, so prompts stay what existing policies learnt): the
+    # instruction and every later observation end with the agent time and action turns left, so
+    # a policy can finish before the harness stops it. The format takes {time_left} and
+    # {time_total} (seconds, the agent deadline: the task's or `agent_timeout_sec` if shorter)
+    # and {turns_left} and {turns_total} (action turns, `max_turns`).
+    budget_note: bool = False
+    budget_note_format: str = BUDGET_NOTE_FORMAT
 
     def __post_init__(self) -> None:
         positive = (
@@ -162,6 +177,13 @@ class HarnessConfig:
                 f"plus the "
                 f"system prompt; lower summary_max_tokens or disable compaction"
             )
+        try:
+            self.budget_note_format.format(time_left=1.0, time_total=2.0, turns_left=1, turns_total=2)
+        except (KeyError, IndexError, ValueError) as error:
+            raise ValueError(
+                f"HarnessConfig.budget_note_format {self.budget_note_format!r} does not format with "
+                f"time_left, time_total, turns_left, turns_total: {type(error).__name__}: {error}"
+            ) from None
         object.__setattr__(self, "terminal", TerminalMode(self.terminal))
         if self.prompt_profile not in prompts.PROMPT_PROFILES:
             raise ValueError(
@@ -294,6 +316,7 @@ class _Trial:
         if config.agent_timeout_sec is not None:
             timeout = min(timeout, config.agent_timeout_sec)
         self.deadline = self.started + timeout
+        self.timeout = timeout
         self.terminal: TerminalDriver = (
             TmuxTerminal(sandbox, config.max_output_bytes)
             if config.terminal is TerminalMode.TMUX
@@ -344,8 +367,11 @@ class _Trial:
 
     def _loop(self) -> tuple[TrialStatus, str]:
         if self._loop_state is None:
+            instruction = self.task.instruction
+            if self.config.budget_note:
+                instruction = instruction.rstrip("\n") + "\n\n" + self._budget_note()
             prompt = self._encode_messages(
-                prompts.initial_messages(self.task.instruction, self.workdir, self.profile.system_prompt)
+                prompts.initial_messages(instruction, self.workdir, self.profile.system_prompt)
             )
             self._loop_state = (prompt, 0, False)
         prompt, glue_start, confirm_pending = self._loop_state
@@ -373,6 +399,8 @@ class _Trial:
                 return TrialStatus.COMPLETED, detail
             if self.stats.action_turns >= self.config.max_turns:  # no glue, no summary for nothing
                 return TrialStatus.MAX_TURNS, f"reached max_turns = {self.config.max_turns}"
+            if self.config.budget_note:
+                observation = self._with_budget_note(observation)
             confirm_pending = reply.ok and reply.task_complete
             base = np.concatenate([turn.prompt_ids, turn.completion_ids]).astype(np.int32)
             fitted = self._fit_observation(base, turn.completion_ids, observation)
@@ -409,6 +437,21 @@ class _Trial:
             self.config.observation_reserve_tokens if self._can_compact() else 0
         )
         return min(self.config.max_tokens_per_turn, self.config.context_window - prompt_len - reserve)
+
+    def _budget_note(self) -> str:
+        return self.config.budget_note_format.format(
+            time_left=max(self._remaining_sec(), 0.0), time_total=self.timeout,
+            turns_left=self.config.max_turns - self.stats.action_turns, turns_total=self.config.max_turns,
+        )  # fmt: skip
+
+    def _with_budget_note(self, observation: Message) -> Message:
+        """The observation with the budget note as its last line (the tail of an output is kept
+        when it is cut to fit, so the note survives)."""
+        note = self._budget_note()
+        if observation.role == "tool":
+            *head, last = observation.responses
+            return Message("tool", responses=(*head, last.rstrip("\n") + "\n" + note))
+        return Message(observation.role, observation.content.rstrip("\n") + "\n" + note)
 
     def _remaining_sec(self) -> float:
         return self.deadline - time.monotonic()

@@ -64,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="system prompt and completion protocol: full (default) | compact | compact-once "
         "(t1jax.agent.prompts.PROMPT_PROFILES; the one the model learnt)",
     )  # fmt: skip
+    harness.add_argument(
+        "--budget-note", action="store_true", default=None,
+        help="end the instruction and every observation with the agent time and turns left "
+        "(HarnessConfig.budget_note; off by default: the prompts the policy was trained on)",
+    )  # fmt: skip
     model = parser.add_argument_group("model")
     model.add_argument(
         "--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)"
@@ -138,10 +143,12 @@ def _settings(args: argparse.Namespace):
 HARNESS_FIELDS = ("max_turns", "max_tokens_per_turn", "context_window", "min_turn_tokens",
                   "observation_reserve_tokens", "compaction", "summary_max_tokens", "max_compactions",
                   "max_output_bytes", "default_command_duration_sec", "max_command_duration_sec",
-                  "agent_timeout_sec", "terminal", "prompt_profile")  # fmt: skip
+                  "agent_timeout_sec", "terminal", "prompt_profile", "budget_note",
+                  "budget_note_format")  # fmt: skip
 _FLAGS = {"max_turns": "max_turns", "max_tokens_per_turn": "max_tokens_per_turn",
           "context_window": "context_window", "agent_timeout_sec": "agent_timeout",
-          "terminal": "terminal", "prompt_profile": "prompt_profile"}  # fmt: skip
+          "terminal": "terminal", "prompt_profile": "prompt_profile",
+          "budget_note": "budget_note"}  # fmt: skip
 
 
 def harness_settings(args: argparse.Namespace) -> dict:
@@ -282,6 +289,9 @@ def eval_harness(settings, context_window: int, *, scripted: bool):
     def given(value, derived):
         return derived if value is None else value
 
+    note_format = {}
+    if settings.budget_note_format is not None:
+        note_format["budget_note_format"] = settings.budget_note_format
     return HarnessConfig(
         max_turns=settings.max_turns,
         max_tokens_per_turn=max_tokens,
@@ -298,6 +308,8 @@ def eval_harness(settings, context_window: int, *, scripted: bool):
         terminal=settings.terminal,
         prompt_profile=settings.prompt_profile,
         require_routing=not scripted,
+        budget_note=settings.budget_note,
+        **note_format,
     )
 
 

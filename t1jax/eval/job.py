@@ -105,6 +105,10 @@ class EvalSettings:
     summary_max_tokens: int | None = None  # None: an eighth of the context window, in [64, 2048]
     compaction: bool | None = None  # None: on from an 8192-token context window
     max_compactions: int = 8
+    # The harness's budget note (`HarnessConfig.budget_note`): the agent is told the time and
+    # turns it has left in every observation. Off: the prompts the policy was trained on.
+    budget_note: bool = False
+    budget_note_format: str | None = None  # None: the harness's default
 
     def __post_init__(self) -> None:
         if self.agent not in ("model", "oracle", "nop"):
@@ -141,7 +145,7 @@ class EvalSettings:
 
 _LATER_FIELDS = ("task_sample", "default_command_duration_sec", "max_command_duration_sec",
                  "max_output_bytes", "min_turn_tokens", "observation_reserve_tokens", "summary_max_tokens",
-                 "compaction", "max_compactions")  # fmt: skip
+                 "compaction", "max_compactions", "budget_note", "budget_note_format")  # fmt: skip
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EvalSettings)}
 
 
