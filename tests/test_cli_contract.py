@@ -2,8 +2,9 @@
 "The command-line contract"): bad input is exit 2 and exactly one line on stderr naming it, never
 argparse's usage block nor a traceback; any other failure is exit 1, one line and a --debug hint.
 
-Table-driven over every subcommand of `t1jax`, `python -m sandbox_service` and `python -m
-t1jax.launch`; each case fails before any real work (most before jax is imported)."""
+Table-driven over every subcommand of `t1jax`, `python -m sandbox_service`, `python -m
+t1jax.launch` and the project's other `python -m` entry points; each case fails before any real
+work (most before jax is imported)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ BAD_INPUT = [
     ((*SERVICE, "stand-ins", "--nope"), "unrecognized arguments: --nope"),
     ((*LAUNCH, "render"), "the following arguments are required: params"),
     ((*LAUNCH, "render", "no/such.yaml"), "no/such.yaml"),
+    ((sys.executable, "-m", "t1jax.sft.pretrain", "--model", "no/such.yaml", "--out", "{tmp}/base"),
+     "--model no/such.yaml does not exist"),
+    ((sys.executable, "-m", "t1jax.launch.reaper"), "the following arguments are required"),
+    ((sys.executable, "-m", "t1jax.agent.train_tokenizer", "--nope"), "unrecognized arguments: --nope"),
 ]  # fmt: skip
 
 

@@ -16,12 +16,12 @@ Invariants of the produced file:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from sandbox_service.cli_contract import OneLineArgumentParser, run_command
 from t1jax.agent.chat_template import CONTROL_TOKENS
 from t1jax.agent.tokenizer import PROJECT_TOKENIZER_PATH
 from t1jax.agent.tokenizer_corpus import generate_corpus
@@ -69,10 +69,17 @@ def tokenizer_json(tokenizer: Tokenizer) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(
+        prog="python -m t1jax.agent.train_tokenizer", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", type=Path, default=PROJECT_TOKENIZER_PATH)
     parser.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
+    return run_command("python -m t1jax.agent.train_tokenizer", lambda: _train(args), debug=args.debug)
+
+
+def _train(args) -> int:
     print(f"training a {VOCAB_SIZE}-id byte-level BPE on {NUM_DOCUMENTS} generated documents (seed {SEED})")
     text = tokenizer_json(build_tokenizer())
     if args.check:

@@ -13,13 +13,13 @@ This complements the in-process defences of the sandbox service (its admission r
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sandbox_service.backends.kubernetes import LABEL_RUN, KubernetesBackend, KubernetesConfig
+from sandbox_service.cli_contract import OneLineArgumentParser, run_command
 from t1jax.launch.manifests import LABEL_ROLE
 
 LIVE_PHASES = frozenset({"Pending", "Running"})
@@ -67,13 +67,16 @@ def reap(backend: KubernetesBackend, *, controller_namespace: str, grace_sec: fl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m t1jax.launch.reaper", description=__doc__.splitlines()[0]
-    )
+    parser = OneLineArgumentParser(prog="python -m t1jax.launch.reaper", description=__doc__.splitlines()[0])
     parser.add_argument("--sandbox-namespace", required=True)
     parser.add_argument("--controller-namespace", required=True)
     parser.add_argument("--grace-sec", type=float, default=600.0)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
+    return run_command("python -m t1jax.launch.reaper", lambda: _reap_dead_runs(args), debug=args.debug)
+
+
+def _reap_dead_runs(args) -> int:
     from kubernetes import client, config
 
     try:

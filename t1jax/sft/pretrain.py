@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sandbox_service.cli_contract import OneLineArgumentParser, UsageError, checking_input, run_command
 from t1jax.data.idioms import SLOT_WORDS
 from t1jax.tito.types import Sample
 
@@ -234,7 +235,7 @@ def run_pretrain(
     say = progress or (lambda message: print(message, file=sys.stderr, flush=True))
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new --out")
+        raise UsageError(f"{out_dir} exists and is not empty; choose a new --out")
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     tokenizer = load_project_tokenizer()
@@ -292,9 +293,7 @@ def run_pretrain(
 def main(argv: list[str] | None = None) -> int:
     """`python -m t1jax.sft.pretrain --model PRESET --out DIR [--steps N ...]` (the demo's base
     stage runs it as a subprocess, as every other stage)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m t1jax.sft.pretrain", description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(prog="python -m t1jax.sft.pretrain", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="model preset (YAML) or config.json")
     parser.add_argument("--out", required=True, type=Path, help="new run directory")
     defaults = PretrainConfig()
@@ -302,20 +301,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
     parser.add_argument("--distractor-rate", type=float, default=defaults.distractor_rate)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
-    try:
+
+    def body() -> int:
         if not Path(args.model).is_file():
-            raise FileNotFoundError(f"--model {args.model} does not exist")
-        config = PretrainConfig(model=args.model, seed=args.seed, steps=args.steps, rows=args.rows,
-                                length=args.length, learning_rate=args.learning_rate,
-                                long_list_steps=args.long_list_steps, item_list_steps=args.item_list_steps,
-                                distractor_rate=args.distractor_rate)  # fmt: skip
-        summary = run_pretrain(config, args.out)
-    except (ValueError, FileExistsError, FileNotFoundError) as error:
-        print(f"pretrain: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, indent=1))
-    return 0
+            raise UsageError(f"--model {args.model} does not exist")
+        with checking_input():
+            config = PretrainConfig(model=args.model, seed=args.seed, steps=args.steps, rows=args.rows,
+                                    length=args.length, learning_rate=args.learning_rate,
+                                    long_list_steps=args.long_list_steps,
+                                    item_list_steps=args.item_list_steps,
+                                    distractor_rate=args.distractor_rate)  # fmt: skip
+        summary = run_pretrain(config, args.out)  # a non-empty --out is a UsageError before any work
+        print(json.dumps(summary, indent=1))
+        return 0
+
+    return run_command("python -m t1jax.sft.pretrain", body, debug=args.debug)
 
 
 if __name__ == "__main__":
