@@ -243,6 +243,75 @@ def _nearest_suite(wanted: str, attribute: str) -> tuple[_Suite, str | None]:
     return suite, f"{getattr(suite, attribute)} instead of {wanted}"
 
 
+_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([\w.+!-]+)$")
+_WHEEL_CACHE: dict[tuple[str, str], bool] = {}
+
+
+def pinned_python_requirements(dockerfile_text: str) -> tuple[str, ...]:
+    """The `name==version` requirements a Dockerfile's RUN lines install with pip or uv."""
+    from sandbox_service.verifier import script_test_requirements  # the same install-line reader
+
+    return tuple(r for r in script_test_requirements(dockerfile_text) if _PIN.match(r))
+
+
+def has_wheel(requirement: str, python: str, *, timeout_sec: float = 60.0) -> bool | None:
+    """Whether the package index pip is configured for has a wheel of `requirement` for CPython
+    `python` (x.y) on x86-64 Linux (`pip install --dry-run --only-binary=:all:` for that
+    interpreter: it resolves, downloads nothing but metadata); None when pip cannot tell
+    (offline, an index error). Answers are cached per process."""
+    import sys
+
+    from sandbox_service.verifier import WHEEL_PLATFORMS
+
+    key = (requirement.lower(), python)
+    if key in _WHEEL_CACHE:
+        return _WHEEL_CACHE[key]
+    abi = "cp3" + python.split(".")[1]
+    command = [
+        sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-deps", "--ignore-installed",
+        "--disable-pip-version-check", "--only-binary=:all:", "--target", "/nonexistent/t1jax-wheel-probe",
+        "--python-version", python, "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none",
+        *(arg for platform in WHEEL_PLATFORMS for arg in ("--platform", platform)), requirement,
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_sec)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode == 0:
+        _WHEEL_CACHE[key] = True
+    elif "No matching distribution found" in done.stderr:
+        _WHEEL_CACHE[key] = False
+    else:
+        return None
+    return _WHEEL_CACHE[key]
+
+
+def nearest_python_with_wheels(
+    wanted: str, pins: tuple[str, ...], *, default: tuple[_Suite, str | None]
+) -> tuple[_Suite, str | None]:
+    """Of the suites whose Python is nearest to `wanted`, the first (newer first) for which the
+    index has a wheel of every pin, with a note saying why it was chosen; `default` when pip
+    cannot tell or no nearest suite has them all (a pin without any wheel decides nothing)."""
+    target = _version_tuple(wanted)
+    gaps = {suite.name: abs(_version_tuple(suite.python)[1] - target[1]) for suite in SUITES}
+    nearest = sorted((s for s in SUITES if gaps[s.name] == min(gaps.values())), key=lambda s: -s.debian)
+    if len(nearest) < 2:
+        return default
+    answers = {(pin, s.name): has_wheel(pin, s.python) for pin in pins for s in nearest}
+    if None in answers.values():
+        return default
+    deciding = [pin for pin in pins if any(answers[(pin, s.name)] for s in nearest)]
+    fits = [s for s in nearest if all(answers[(pin, s.name)] for pin in deciding)]
+    if not deciding or not fits or fits[0] is nearest[0]:
+        return default
+    chosen = fits[0]
+    lacking = " and ".join(s.python for s in nearest if s not in fits)
+    return chosen, (
+        f"{chosen.python} instead of {wanted} (as near as {lacking}, for which the index has no wheel "
+        f"of {', '.join(deciding)})"
+    )
+
+
 # What the non-slim official images (python:3.x, node:N, built on buildpack-deps) have beyond slim.
 BUILDPACK_PACKAGES = ("build-essential", "git", "curl", "wget", "gnupg", "openssh-client", "procps",
                       "pkg-config", "libssl-dev", "libffi-dev", "zlib1g-dev")  # fmt: skip
@@ -415,8 +484,11 @@ def _tag_words(tag: str) -> set[str]:
     return set(re.split(r"[-_.]", tag.lower()))
 
 
-def stand_in_for(image: str) -> tuple[StandInRecipe, Substitution]:
-    """The stand-in recipe for `image` and the `Substitution` describing the swap.
+def stand_in_for(image: str, *, python_pins: tuple[str, ...] = ()) -> tuple[StandInRecipe, Substitution]:
+    """The stand-in recipe for `image` and the `Substitution` describing the swap. `python_pins`
+    (`name==version` requirements the task's Dockerfile installs with pip) decide between suites
+    whose Pythons are equally near the one the tag asks for: the first with a wheel of every pin
+    (`nearest_python_with_wheels`).
 
     Raises `UnsupportedImage` for families no recipe imitates (see the module docstring)."""
     try:
@@ -436,7 +508,10 @@ def stand_in_for(image: str) -> tuple[StandInRecipe, Substitution]:
         notes.append("Terminal-Bench base image rebuilt from Debian (its extra tools are not all here)")
     if name in ("python", "pypy"):
         version = _tag_version(tag) or _BY_NAME["trixie"].python
-        suite, mismatch = _suite_for(tag, ".".join(version.split(".")[:2]), "python")
+        wanted = ".".join(version.split(".")[:2])
+        suite, mismatch = _suite_for(tag, wanted, "python")
+        if mismatch and python_pins and _named_suite(tag) is None:
+            suite, mismatch = nearest_python_with_wheels(wanted, python_pins, default=(suite, mismatch))
         recipe = _python_recipe(suite, slim="slim" in _tag_words(tag))
         if mismatch:
             notes.append(f"Python {mismatch}")

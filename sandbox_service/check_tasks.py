@@ -13,9 +13,12 @@ verifier's binary outcome decides. Tasks that fail to load, cannot be built, hav
 solution or whose sandbox fails are unsound, with the reason. Tasks in a format no backend runs
 (multi-step, multi-container), tasks the backend skips (unsupported image, needs internet, GPU)
 tasks whose image build failed on a host name this machine cannot resolve
-(`fidelity.build_failure_skip`) and tasks whose reference solution fails only because its tests
-connect to a host outside the sandbox (`fidelity.verifier_network_skip`) are *skipped*, with the
-reason: they are neither sound nor unsound here.
+(`fidelity.build_failure_skip`), tasks whose build or reference solution failed because a stand-in
+of another version lacks a package the task names (`fidelity.stand_in_gap`: verdict
+`stand_in_gap`, counted with the skipped, the substitution named) and tasks whose reference
+solution fails only because its tests connect to a host outside the sandbox
+(`fidelity.verifier_network_skip`) are *skipped*, with the reason: they are neither sound nor
+unsound here.
 
 Invariants:
 - One `TaskAudit` per task directory found (loaded or not), in path order.
@@ -49,7 +52,12 @@ from sandbox_service.contracts import (
     TaskLimits,
     VerifierReport,
 )
-from sandbox_service.fidelity import build_failure_skip, environment_audit, verifier_network_skip
+from sandbox_service.fidelity import (
+    build_failure_skip,
+    environment_audit,
+    stand_in_gap,
+    verifier_network_skip,
+)
 from sandbox_service.solution import solution_commands
 from sandbox_service.steps import (
     combined_report,
@@ -130,9 +138,12 @@ class TaskAudit:
     environment: EnvironmentAudit | None = None
     solution_run: str = ""
     seconds: float = 0.0
+    stand_in_gap: bool = False  # not judged: a stand-in's version lacks what the task names
 
     @property
     def verdict(self) -> str:
+        if self.stand_in_gap:
+            return "stand_in_gap"
         return "skipped" if self.skipped else "sound" if self.sound else "unsound"
 
     def line(self) -> str:
@@ -158,6 +169,8 @@ def format_audit_line(audit: TaskAudit) -> str:
     [ (<reason>)]`, or `<task id> skipped[ on <backend>] (<reason>)`."""
     where = f" on {audit.backend}" if audit.backend else ""
     reason = " ".join(audit.reason.split())  # one line per task, whatever the error text looked like
+    if audit.stand_in_gap:
+        return f"{audit.task_id} stand_in_gap{where} ({reason})"
     if audit.skipped:
         return f"{audit.task_id} skipped{where} ({reason})"
     solution = audit.solution.score() if audit.solution else "-"
@@ -297,6 +310,12 @@ def audit_task(
         skip = build_failure_skip(error)
         if skip is not None:  # the audit's environment says it too, for readers of the JSON
             base["environment"] = dataclasses.replace(environment, skip_reason=skip[0], detail=skip[1])
+        gap = None if skip is not None else stand_in_gap(environment, str(error))
+        if gap is not None:
+            return TaskAudit(
+                task.task_id, task.source_dir, False, None, None, f"build failed: {gap}", **base,
+                skipped=True, stand_in_gap=True, seconds=time.monotonic() - started,
+            )  # fmt: skip
         return TaskAudit(
             task.task_id,
             task.source_dir,
@@ -308,6 +327,12 @@ def audit_task(
             skipped=skip is not None,
             seconds=time.monotonic() - started,
         )
+    gap = None if solution.passes_all else stand_in_gap(environment, f"{solution_note}\n{solution_run}")
+    if gap is not None:
+        return TaskAudit(
+            task.task_id, task.source_dir, False, solution, noop, f"solution failed: {gap}", **base,
+            skipped=True, stand_in_gap=True, solution_run=solution_run, seconds=time.monotonic() - started,
+        )  # fmt: skip
     network = None if solution.passes_all else verifier_network_skip(solution.output_tail)
     if network is not None:
         base["environment"] = dataclasses.replace(environment, skip_reason=network[0], detail=network[1])

@@ -62,6 +62,7 @@ from sandbox_service.base_images import (
     StandInStore,
     Substitution,
     UnsupportedImage,
+    pinned_python_requirements,
     stand_in_for,
 )
 from sandbox_service.contracts import SandboxError, Task, UnsupportedEnvironment
@@ -145,6 +146,7 @@ class BuildPlan:
     dockerfile: Path | None = None
     user: str = ""
     entrypoint: tuple[str, ...] = ()
+    python_pins: tuple[str, ...] = ()  # `name==version` its RUN lines pip-install (picks the stand-in)
 
     def describe_step(self, step: Step) -> list:
         """A JSON-able description of one step; hashed (with copied file contents) into its layer key."""
@@ -178,9 +180,11 @@ def check_environment(task: Task) -> BuildPlan:
     return BuildPlan(base_image=spec.docker_image, steps=(), env=recipe.env, workdir=spec.workdir)
 
 
-def _recipe(task_id: str, image: str, where: str) -> tuple[StandInRecipe, Substitution]:
+def _recipe(
+    task_id: str, image: str, where: str, python_pins: tuple[str, ...] = ()
+) -> tuple[StandInRecipe, Substitution]:
     try:
-        return stand_in_for(image)
+        return stand_in_for(image, python_pins=python_pins)
     except UnsupportedImage as error:
         raise UnsupportedEnvironment(task_id, f"{where}: base image {image!r}: {error.reason}") from error
 
@@ -191,6 +195,7 @@ def parse_dockerfile(
     """Validate and interpret a Dockerfile against the subset; raise `UnsupportedEnvironment`."""
     context_dir = Path(context_dir).resolve()
     where = dockerfile.name if dockerfile else "Dockerfile"
+    pins = pinned_python_requirements(text)
 
     def reject(line: int, reason: str) -> UnsupportedEnvironment:
         return UnsupportedEnvironment(task_id, f"{where} line {line}: {reason}")
@@ -219,7 +224,7 @@ def parse_dockerfile(
             if not words:
                 raise reject(line, "FROM without an image")
             image = lexer.substitute(words[0], args)
-            recipe, _ = _recipe(task_id, image, f"{where} line {line}")
+            recipe, _ = _recipe(task_id, image, f"{where} line {line}", pins)
             env.update(dict(recipe.env))
             base = image
             continue
@@ -260,6 +265,7 @@ def parse_dockerfile(
         env=tuple(env.items()),
         workdir=workdir,
         dockerfile=dockerfile,
+        python_pins=pins,
         user=user,
         entrypoint=entrypoint,
     )
@@ -490,7 +496,7 @@ class EnvironmentBuilder:
         """The task's built environment, from the cache or built now (raises `UnsupportedEnvironment`
         before doing anything for a Dockerfile outside the subset, `EnvironmentBuildError` on failure)."""
         plan = check_environment(task)
-        recipe, substitution = _recipe(task.task_id, plan.base_image, "FROM")
+        recipe, substitution = _recipe(task.task_id, plan.base_image, "FROM", plan.python_pins)
         keys = self._chain_keys(plan, recipe)
         env_key = _digest([keys, plan.env, plan.workdir, plan.user, plan.entrypoint, recipe.key])
         record = self.envs_dir / f"{env_key}.json"

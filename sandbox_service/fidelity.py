@@ -186,3 +186,42 @@ def build_failure_skip(error: BaseException) -> tuple[SkipReason, str] | None:
     return SkipReason.UNREACHABLE_HOST, (
         f"building its image fetches from {named}, which this machine cannot reach"
     )
+
+
+# What a build or a solution prints when a package it names does not exist for the stand-in's
+# version of a language or distribution release; each pattern captures the package.
+_STAND_IN_GAP_PATTERNS = (
+    (re.compile(r"No matching distribution found for ([^\s]+)"), "pip finds no {} for this Python"),
+    (re.compile(r"Could not find a version that satisfies the requirement ([^\s]+)"),
+     "pip finds no {} for this Python"),
+    (re.compile(r"[Rr]equires-[Pp]ython [^\n]*?(?:for|of) ([^\s]+)"), "{} requires another Python"),
+    (re.compile(r"Unable to locate package ([^\s]+)"), "apt finds no package {} in this release"),
+    (re.compile(r"Package '?([^\s']+)'? has no installation candidate"),
+     "apt has no installation candidate for {} in this release"),
+    (re.compile(r"Version '([^']+' for '[^']+)' was not found"), "apt has no version {} in this release"),
+)  # fmt: skip
+
+
+def stand_in_gap(environment: EnvironmentAudit | None, output: str) -> str | None:
+    """Why a failed build or reference solution is the stand-in's doing, not the task's: when a
+    stand-in substitutes another version of the language or the distribution ("... instead of
+    ...") and `output` says a package the task names does not exist there (no wheel or
+    distribution for that Python, no such package or version in that release), the substitution
+    and the failure in one line; else None."""
+    if environment is None:
+        return None
+    versioned = [
+        (substitution, difference)
+        for substitution in environment.substitutions
+        for difference in substitution.differences
+        if " instead of " in difference
+    ]
+    if not versioned:
+        return None
+    for pattern, words in _STAND_IN_GAP_PATTERNS:
+        match = pattern.search(output)
+        if match:
+            substitution, difference = versioned[0]
+            stand_in = substitution.used.rsplit("/", 1)[-1].split(":")[0]
+            return f"{stand_in} for {substitution.requested}: {difference}; {words.format(match.group(1))}"
+    return None

@@ -762,7 +762,7 @@ class PackageInstallFailed(RuntimeError):
 
 TEST_PACKAGES_SUBDIR = "test-packages"
 # Wheels the stand-in and official images' glibc (>= 2.36) loads; pure-Python wheels always match.
-_WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
                     "manylinux2010_x86_64", "manylinux1_x86_64")  # fmt: skip
 
 
@@ -780,7 +780,7 @@ def install_test_packages(
     Raises `PackageInstallFailed` with pip's last line where they cannot be installed."""
     major, minor = python_version
     key = hashlib.sha256(
-        json.dumps([sorted(requirements), [major, minor], _WHEEL_PLATFORMS]).encode()
+        json.dumps([sorted(requirements), [major, minor], WHEEL_PLATFORMS]).encode()
     ).hexdigest()[:16]
     parent = toolchain.directory / TEST_PACKAGES_SUBDIR
     target = parent / f"cp{major}{minor}-{key}"
@@ -798,7 +798,7 @@ def install_test_packages(
             "--no-cache-dir", "--target", str(staging), "--only-binary=:all:",
             "--python-version", f"{major}.{minor}", "--implementation", "cp",
             "--abi", f"cp{major}{minor}", "--abi", "abi3", "--abi", "none",
-            *(arg for platform in _WHEEL_PLATFORMS for arg in ("--platform", platform)),
+            *(arg for platform in WHEEL_PLATFORMS for arg in ("--platform", platform)),
             *requirements,
         ]  # fmt: skip
         try:

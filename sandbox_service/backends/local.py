@@ -250,7 +250,7 @@ class LocalBackend:
             return EnvironmentAudit(
                 task.task_id, BACKEND_NAME, None, (base,) if base else (), (), reason, detail
             )
-        recipe, substitution = stand_in_for(plan.base_image)
+        recipe, substitution = stand_in_for(plan.base_image, python_pins=plan.python_pins)
         image = f"{recipe.name} stand-in root" + (
             f" + {len(plan.steps)} Dockerfile steps" if plan.steps else ""
         )

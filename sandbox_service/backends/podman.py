@@ -73,6 +73,7 @@ from sandbox_service.base_images import (
     StandInStore,
     Substitution,
     UnsupportedImage,
+    pinned_python_requirements,
     stand_in_for,
 )
 from sandbox_service.contracts import (
@@ -369,14 +370,15 @@ class PodmanBackend:
 
     # -- images ------------------------------------------------------------------------------------
 
-    def resolve_base(self, image: str) -> ResolvedBase:
-        """What runs for base image `image` (see `PodmanConfig.pull`); raises `UnsupportedImage`."""
+    def resolve_base(self, image: str, *, python_pins: tuple[str, ...] = ()) -> ResolvedBase:
+        """What runs for base image `image` (see `PodmanConfig.pull`); raises `UnsupportedImage`.
+        `python_pins`: what the task's Dockerfile pip-installs (`base_images.stand_in_for`)."""
         if self.config.pull != "always" and self.engine.image_exists(image):
             if not self._is_stand_in(image):
                 return ResolvedBase(image, image, "local")
         if self.config.pull != "never" and self._try_pull(image):
             return ResolvedBase(image, image, "pulled")
-        recipe, substitution = stand_in_for(image)
+        recipe, substitution = stand_in_for(image, python_pins=python_pins)
         if not self.engine.image_exists(recipe.image_tag):
             built = self.stand_ins.build(recipe)
             changes = [f"ENV {key}={value}" for key, value in recipe.env]
@@ -435,8 +437,10 @@ class PodmanBackend:
         return tuple(self._resolve(task, image) for image in images)
 
     def _resolve(self, task: Task, image: str) -> ResolvedBase:
+        dockerfile = task.environment.dockerfile
+        pins = pinned_python_requirements(dockerfile.read_text(encoding="utf-8")) if dockerfile else ()
         try:
-            return self.resolve_base(image)
+            return self.resolve_base(image, python_pins=pins)
         except UnsupportedImage as error:
             raise UnsupportedEnvironment(task.task_id, f"base image {image!r}: {error.reason}") from error
 

@@ -1,14 +1,21 @@
 """Base images: references, which stand-in imitates which image (and says how it differs), and the
 built roots themselves (real mmdebstrap output from `make setup`)."""
 
+import subprocess
+import sys
+
 import pytest
 
 from sandbox_service.base_images import (
     ImageRef,
     StandInStore,
     UnsupportedImage,
+    has_wheel,
+    pinned_python_requirements,
     stand_in_for,
 )
+from sandbox_service.contracts import EnvironmentAudit, ImageSubstitution
+from sandbox_service.fidelity import stand_in_gap
 
 from .conftest import STAND_IN_DIR
 
@@ -96,3 +103,50 @@ def test_a_built_stand_in_is_a_real_debian_root_with_the_official_images_apt_def
     assert not list(root.glob("usr/lib/python3*/EXTERNALLY-MANAGED")) and not list(
         root.glob("var/lib/apt/lists/*_Packages")
     )
+
+
+# -- the nearest version that exists, and gaps a stand-in's version explains ----------------------
+
+
+def test_pinned_wheels_pick_the_nearest_python_that_has_them():
+    """python:3.12 is as near to bookworm's 3.11 as to trixie's 3.13; numpy 1.26.4 has wheels up to
+    3.12 only (asked of the package index pip is configured for), so bookworm stands in, and says so."""
+    pins = pinned_python_requirements(
+        "FROM python:3.12-slim\nRUN pip install --no-cache-dir numpy==1.26.4 rich\n"
+    )
+    assert pins == ("numpy==1.26.4",)
+    assert has_wheel("numpy==1.26.4", "3.11") is True and has_wheel("numpy==1.26.4", "3.13") is False
+    recipe, substitution = stand_in_for("python:3.12-slim", python_pins=pins)
+    assert recipe.name == "python-3.11-bookworm"
+    assert (
+        "Python 3.11 instead of 3.12 (as near as 3.13, for which the index has no wheel of numpy==1.26.4)"
+        in (substitution.differences)
+    )
+    assert stand_in_for("python:3.12-slim")[0].name == "python-3.13-trixie"  # no pins: the newer
+    # A pin both have wheels of decides nothing; a tag naming its suite keeps it whatever the pins.
+    assert stand_in_for("python:3.12-slim", python_pins=("idna==3.10",))[0].name == "python-3.13-trixie"
+    assert stand_in_for("python:3.12-slim-trixie", python_pins=pins)[0].name == "python-3.13-trixie"
+
+
+def _audit(*differences: str) -> EnvironmentAudit:
+    swap = ImageSubstitution("python:3.12-slim", "localhost/t1jax-stand-in/python-3.13-trixie:x", differences)
+    return EnvironmentAudit("t", "container", "img", ("python:3.12-slim",), (swap,))
+
+
+def test_a_missing_wheel_or_package_under_another_version_is_a_stand_in_gap():
+    done = subprocess.run(  # pip's own words for a pin with no wheel for the stand-in's Python
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-deps", "--only-binary=:all:",
+         "--target", "/nonexistent/probe", "--python-version", "3.13", "numpy==1.26.4"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    gap = stand_in_gap(_audit("Python 3.13 instead of 3.12"), done.stderr)
+    assert gap == (
+        "python-3.13-trixie for python:3.12-slim: Python 3.13 instead of 3.12; "
+        "pip finds no numpy==1.26.4 for this Python"
+    )
+    apt = "E: Unable to locate package openjdk-21-jdk-headless"
+    assert "apt finds no package openjdk-21-jdk-headless" in stand_in_gap(
+        _audit("Debian bookworm instead of jammy"), apt
+    )
+    assert stand_in_gap(_audit("tmux added for the terminal harness"), apt) is None  # no other version
+    assert stand_in_gap(_audit("Python 3.13 instead of 3.12"), "AssertionError: 1 != 2") is None
