@@ -26,7 +26,7 @@ DEFAULT_STAND_INS := python:3.11-slim python:3.11 debian:bookworm python:3.12-sl
 	ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624
 CORPUS_STAND_INS := golang:1.24-bookworm eclipse-temurin:21-jdk gcc:14
 
-.PHONY: setup setup-system setup-containers test test-slow test-containers bench lint setup-tpu \
+.PHONY: setup setup-system setup-containers test test-slow test-containers bench bench-all lint setup-tpu \
 	test-tpu-contract demo ablation setup-harbor test-harbor
 
 setup: setup-system
@@ -79,8 +79,13 @@ test-slow:
 test-containers: setup-containers
 	$(PY) -m pytest -m containers -n $(PYTEST_WORKERS) -q tests/sandbox/test_fidelity_corpus.py
 
+# The speed figures of the embedded default in one table (bench/table.py); bench-all runs every
+# bench script alone, each printing its own ratios.
 bench:
-	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+	$(PY) bench/table.py
+
+bench-all:
+	@for script in $(filter-out bench/table.py,$(wildcard bench/*.py)); do echo "== $$script"; $(PY) $$script || exit 1; done
 
 lint:
 	$(PY) -m ruff check t1jax sandbox_service tests bench

@@ -23,7 +23,12 @@ random weights; transformers runs the same weights (written with our `save_pretr
 Prints the processor and the load average (the machine may be shared: then every ratio is noisy),
 each engine's warmup (compile) time and its compile counts per program and bucket.
 
-Run: `.venv/bin/python bench/sampler.py` (8 fake CPU devices: the engines use the last one).
+Every ratio is also printed as one `RESULT {json}` line (figure, ours, peer, ratio, goal, the
+peer's settings) for `bench/table.py`, which gathers the issue's figures into one table.
+
+Run: `.venv/bin/python bench/sampler.py [--quick]` (8 fake CPU devices: the engines use the last
+one). `--quick` shrinks every case (4 agent requests of 512 tokens, 32 new tokens, shorter
+prefix) to check that it runs: its ratios are not the figures.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -132,6 +139,7 @@ class Transformers:
                 directory, dtype=torch.float32
             ).eval()
         self.thread_counts = sorted({torch.get_num_threads(), 1}, reverse=True)
+        self.chosen: dict[str, int] = {}  # label -> the thread count of the best result
 
     def generate(self, prompts, new_tokens) -> None:
         torch = self.torch
@@ -160,7 +168,13 @@ class Transformers:
             value = measure()
             print(f"  transformers generate ({label}, torch CPU, {threads} threads): {value:.2f} {unit}")
             results.append(value)
-        return max(results) if unit == "tokens/s" else min(results)
+        best = max(results) if unit == "tokens/s" else min(results)
+        self.chosen[label] = self.thread_counts[results.index(best)]
+        return best
+
+    def settings(self, *labels: str) -> str:
+        threads = ", ".join(f"{label}: {self.chosen[label]}" for label in labels if label in self.chosen)
+        return f"torch CPU float32, best of {self.thread_counts} threads ({threads})"
 
 
 def agent_case(model, hf, device):
@@ -171,11 +185,14 @@ def agent_case(model, hf, device):
     with started_engine(model, device, config, "agent engine") as engine:
         served(engine, prompts, 2)  # every path warm (first runs allocate)
         engine_total = best_of(lambda: served(engine, prompts, AGENT_NEW), 2)
-        engine_prefill = best_of(lambda: served(engine, prompts, 1), 2)
-        steps = dict(engine.step_counts)
+        before = dict(engine.step_counts)
+        served(engine, prompts, 1)
+        calls = {k: v - before.get(k, 0) for k, v in engine.step_counts.items()}
+        engine_prefill = min(best_of(lambda: served(engine, prompts, 1), 1), engine_total)
     print(
         f"  jax engine: {engine_total:.2f} s end to end, {engine_prefill:.2f} s to the first token "
-        f"({steps.get('prefill', 0)} prefill calls and {steps.get('decode', 0)} decode rounds over all runs)"
+        f"({calls.get('prefill', 0)} prefill calls of {calls.get('prefill_windows', 0)} windows, "
+        f"{calls.get('restore', 0)} row resets, for the {len(prompts)} requests' first token)"
     )
 
     def timed(new_tokens):
@@ -212,8 +229,9 @@ def torch_decode_rate(hf, prompts) -> float:
     return hf.best(rate, f"decode, batch {BATCH}", unit="tokens/s")
 
 
-def prefix_cache_ratio(model, device) -> float:
-    config = EngineConfig(max_batch=2, max_context=4096, block_size=128)
+def prefix_cache_times(model, device) -> tuple[float, float]:
+    """(re-prefill seconds, prefix-cache hit seconds) of the second turn's first token."""
+    config = EngineConfig(max_batch=2, max_context=min(4096, CONTEXT), block_size=128)
     rng = np.random.default_rng(1)
     first_turn = rng.integers(0, 2048, PREFIX_LEN).astype(np.int32)
     params = SamplingParams(max_new_tokens=32, seed=3)
@@ -253,7 +271,7 @@ def prefix_cache_ratio(model, device) -> float:
         f"{hit * 1e3:7.1f} ms ({hit_result.cached_prompt_tokens} tokens cached, {states} recurrent "
         f"state(s) stored); hit == miss bit for bit: {identical}"
     )
-    return miss / hit
+    return miss, hit
 
 
 def chunk_rates(model, device) -> dict[int, float]:
@@ -272,7 +290,24 @@ def chunk_rates(model, device) -> dict[int, float]:
     }
 
 
+def result(figure: str, ours: float, peer: float, ratio: float, goal: str, settings: str, unit: str) -> None:
+    """One figure for bench/table.py."""
+    print("RESULT " + json.dumps(dict(
+        figure=figure, ours=ours, peer=peer, ratio=ratio, goal=goal, settings=settings, unit=unit
+    )))
+
+
+def shrink_for_quick_mode() -> None:
+    global REPEATS, NEW_TOKENS, AGENT_REQUESTS, AGENT_PROMPT, AGENT_NEW, PREFIX_LEN, CHUNK_BATCH, CONTEXT
+    REPEATS, NEW_TOKENS, AGENT_REQUESTS, AGENT_PROMPT, AGENT_NEW = 1, 32, 4, 512, 32
+    PREFIX_LEN, CHUNK_BATCH, CONTEXT = 512, 4, 1024
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small cases: checks that it runs")
+    if parser.parse_args().quick:
+        shrink_for_quick_mode()
     print(f"jax {jax.__version__}, {len(jax.devices())} CPU devices; {machine()}; {load()} at start")
     model = tiny_policy()
     hf = Transformers(model)
@@ -294,7 +329,8 @@ def main() -> None:
     short = jax_decode_rate(model, prompts, device, short_config, "max_context 512")
     long = jax_decode_rate(model, prompts, device, long_config, f"max_context {CONTEXT}")
     print("prefix cache:")
-    cache_ratio = prefix_cache_ratio(model, device)
+    miss, hit = prefix_cache_times(model, device)
+    cache_ratio = miss / hit
     print(
         f"decode-attention chunk, batch {CHUNK_BATCH}, {CHUNK_PROMPT}-token prompts, "
         f"max_context {CHUNK_CONTEXT}:"
@@ -322,11 +358,30 @@ def main() -> None:
         f"RATIO decode tokens/s, jax engine (max_context 512) / best transformers: {short / torch_rate:.2f}x"
     )
     print(f"RATIO second-turn prefill, re-prefill time / prefix-cache hit time: {cache_ratio:.2f}x")
+    print(
+        f"RATIO decode tokens/s, jax engine (max_context {CONTEXT}) / best transformers: "
+        f"{long / torch_rate:.2f}x"
+    )
     small, large = CHUNKS
     print(
         f"RATIO decode tokens/s, kv_chunk {small} / kv_chunk {large}: {chunks[small] / chunks[large]:.2f}x "
         f"(the platform default here: {default_kv_chunk(device[0].platform)})"
     )
+    agent = f"{AGENT_REQUESTS} requests x {AGENT_PROMPT} tokens, {AGENT_NEW} new, max_context {CONTEXT}"
+    peer_settings = hf.settings("end to end", "to the first token")
+    result(f"agent sampling end to end ({agent})", engine_total, hf_total, hf_total / engine_total,
+           ">= 5x", peer_settings, "s")
+    result("agent time to first token (prefill)", engine_prefill, hf_prefill, hf_prefill / engine_prefill,
+           "-", peer_settings, "s")
+    decode_settings = hf.settings(f"decode, batch {BATCH}")
+    result(f"decode batch {BATCH}, window 512", short, torch_rate, short / torch_rate, ">= 5x",
+           decode_settings, "tokens/s")
+    result(f"decode batch {BATCH}, window {CONTEXT}", long, torch_rate, long / torch_rate, ">= 5x",
+           decode_settings, "tokens/s")
+    result(f"decode cost follows live length (window {CONTEXT} / 512)", long, short, long / short,
+           ">= 0.5x", "the same engine at max_context 512", "tokens/s")
+    result(f"prefix-cache hit vs re-prefill ({PREFIX_LEN}-token first turn)", hit, miss, cache_ratio,
+           ">= 15x", "the same engine, prefix cache cleared", "s")
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ class EngineConfig:
     prefix_cache_bytes: int = 256 * 2**20
     mesh_shape: Mapping[str, int] | None = None
     decode_steps: int = 16
-    prefill_rows: int = 8
+    prefill_rows: int = 4
     prefill_windows: int = 16
     kv_chunk: int | None = None
     min_prefill_kv: int = 256
