@@ -1115,12 +1115,13 @@ class Demo:
         return critics
 
     def _reward_variance(self) -> dict[str, Any] | None:
-        """What the SFT policy leaves RL to learn from, measured before any policy step: over the
-        demo's critic warm-up (the SFT policy sampled as RL samples, in groups of rollouts of one
-        task; `_check_warmups`), the share of its groups whose rewards differ, and whose resolved
-        outcomes differ (`t1jax.runtime.metrics.group_metrics`, per step, summed here)."""
+        """What the SFT policy leaves RL to learn from, measured before any policy step, when the
+        demo's critic warm-up samples groups of rollouts of one task (`schedule.rollouts_per_task`
+        > 1): the share of its groups whose rewards differ, and whose resolved outcomes differ
+        (`t1jax.runtime.metrics.group_metrics`, per step, summed here); else None."""
+        attempts = self._run_config(self.config.warmup, {}).schedule.rollouts_per_task
         path = self.warmup_dir("rl") / "metrics.jsonl"
-        if not path.is_file():
+        if attempts < 2 or not path.is_file():  # one rollout a task: a repeat is an epoch's seam
             return None
         groups = reward_varies = resolved_varies = 0.0
         for line in path.read_text().splitlines():
@@ -1136,7 +1137,7 @@ class Demo:
             return None
         return {
             "tasks": round(groups),
-            "attempts_per_task": self._run_config(self.config.warmup, {}).schedule.rollouts_per_task,
+            "attempts_per_task": attempts,
             "reward_varies": round(reward_varies / groups, 3),
             "resolved_varies": round(resolved_varies / groups, 3),
         }
