@@ -4,6 +4,7 @@ Harbor task directory, in Harbor's job layout, resumably (`t1jax.eval.job`).
     t1jax eval --tasks DIR --agent oracle                   # prove the environments and verifiers first
     t1jax eval --tasks DIR --agent nop                      # ... and that doing nothing earns nothing
     t1jax eval --tasks DIR --checkpoint PATH [--attempts 3] [--concurrency 8] [--out JOB_DIR]
+    t1jax eval --rescore JOB_DIR [--out NEW_JOB_DIR]        # its trials' replies replayed, verified anew
 
 Decoding defaults are the paper's evaluation protocol (§6.1): temperature 0.1, top-p 0.95,
 top-k 20, 3 attempts, 60 turns; `--greedy` decodes with temperature 0. Re-running the same
@@ -22,8 +23,13 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--tasks", type=Path, required=True, help="a Terminal-Bench 1.x or Harbor task directory"
+        "--tasks", type=Path, default=None, help="a Terminal-Bench 1.x or Harbor task directory"
     )
+    parser.add_argument(
+        "--rescore", type=Path, default=None, metavar="JOB_DIR",
+        help="score a finished job again without its agent: each trial's recorded replies replayed "
+        "into a fresh sandbox, then the task's verifier (t1jax.eval.rescore); writes JOB_DIR-rescored",
+    )  # fmt: skip
     parser.add_argument(
         "--checkpoint", default=None, help="HF directory, or a t1jax run dir / weights checkpoint"
     )
@@ -96,6 +102,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.concurrency < 1:
         raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.rescore is not None:
+        return rescore(args)
+    if args.tasks is None:
+        raise UsageError("--tasks DIR is needed (or --rescore JOB_DIR)")
     if args.task_sample is not None and args.task_sample < 1:
         raise UsageError(f"--task-sample must be >= 1, got {args.task_sample}")
     if not args.tasks.is_dir():
@@ -185,6 +195,29 @@ def read_harness_file(path: Path) -> dict:
     return {name: value for name, value in section.items() if name in HARNESS_FIELDS}
 
 
+def rescore(args: argparse.Namespace) -> int:
+    """`--rescore JOB_DIR`: the job's settings with the replay agent, into JOB_DIR-rescored."""
+    import dataclasses
+
+    from t1jax.cli import UsageError
+    from t1jax.eval.job import EvalSettings
+    from t1jax.eval.rescore import source_settings
+
+    source = args.rescore
+    try:
+        fields = source_settings(source)
+        known = {f.name for f in dataclasses.fields(EvalSettings)}
+        old = EvalSettings(**{k: v for k, v in fields.items() if k in known})
+        settings = dataclasses.replace(old, agent="replay", rescore_of=str(source.resolve()))
+    except (TypeError, ValueError) as error:
+        raise UsageError(str(error).splitlines()[0]) from None
+    if not Path(settings.tasks_dir).is_dir():
+        raise UsageError(f"--rescore {source}: its task directory {settings.tasks_dir} is gone")
+    if args.out is None:
+        args.out = source.parent / f"{source.name}-rescored"
+    return evaluate(settings, args)
+
+
 def evaluate(settings, args: argparse.Namespace) -> int:
     """Build the agent, the sandboxes and the scheduler, run the job, print the table."""
     from sandbox_service.cli_contract import UsageError, checking_input
@@ -224,6 +257,13 @@ def _evaluate(settings, args: argparse.Namespace, dataset, stop) -> int:
         settings = dataclasses.replace(settings, context_window=agent.context_window)
         job_dir = args.out or default_job_dir(settings.to_json())
         job = EvalJob(job_dir, settings, sample_tasks(dataset.tasks, settings.task_sample), dataset.errors)
+        if agent.replay is not None:
+            from t1jax.eval.rescore import plan_rescore
+
+            trial_ids = [spec.trial_id for spec in job.specs]
+            replay, job.not_runnable = plan_rescore(Path(settings.rescore_of), trial_ids)
+            agent.replay.records = replay.records
+            job.annotate = agent.replay.annotation
         for spec in job.specs:
             agent.register(spec)
         run_id = "eval-" + hashlib.sha256(str(Path(job_dir).resolve()).encode()).hexdigest()[:12]
@@ -263,6 +303,7 @@ class Agent:
     def __init__(self, sampler, tokenizer, context_window: int, *, scripted: bool, book=None, closer=None):
         self.sampler, self.tokenizer, self.context_window = sampler, tokenizer, context_window
         self.scripted, self._book, self._closer = scripted, book, closer
+        self.replay = None  # the replay agent's state (t1jax.eval.rescore.Replay)
 
     def register(self, spec) -> None:
         if self._book is not None:
@@ -314,6 +355,22 @@ def eval_harness(settings, context_window: int, *, scripted: bool):
 
 
 def build_agent(settings, args) -> Agent:
+    if settings.agent == "replay":
+        from t1jax.agent.scripted import ScriptedSampler
+        from t1jax.agent.tokenizer import load_project_tokenizer
+        from t1jax.eval.rescore import Replay
+
+        if settings.checkpoint:  # the ids replayed are that model's tokens: its tokenizer glues them
+            from t1jax.eval.checkpoint import load_policy
+
+            _, tokenizer, _ = load_policy(settings.checkpoint, settings.dtype)
+        else:
+            tokenizer = load_project_tokenizer()
+        replay = Replay({})
+        agent = Agent(ScriptedSampler(tokenizer, replay.policy, with_routing=False), tokenizer,
+                      settings.context_window, scripted=True)  # fmt: skip
+        agent.replay = replay
+        return agent
     if settings.agent in ("oracle", "nop"):
         from t1jax.agent.scripted import ScriptedSampler
         from t1jax.agent.tokenizer import load_project_tokenizer

@@ -75,7 +75,7 @@ class EvalSettings:
     turns; `greedy` overrides the sampling parameters with temperature 0."""
 
     tasks_dir: str
-    agent: str = "model"  # model | oracle | nop
+    agent: str = "model"  # model | oracle | nop | replay (`t1jax eval --rescore`)
     checkpoint: str | None = None
     dtype: str | None = None  # the checkpoint's own unless set
     attempts: int = 3
@@ -109,10 +109,13 @@ class EvalSettings:
     # turns it has left in every observation. Off: the prompts the policy was trained on.
     budget_note: bool = False
     budget_note_format: str | None = None  # None: the harness's default
+    rescore_of: str | None = None  # agent replay: the job replayed (t1jax.eval.rescore)
 
     def __post_init__(self) -> None:
-        if self.agent not in ("model", "oracle", "nop"):
-            raise ValueError(f"agent must be model, oracle or nop, got {self.agent!r}")
+        if self.agent not in ("model", "oracle", "nop", "replay"):
+            raise ValueError(f"agent must be model, oracle, nop or replay, got {self.agent!r}")
+        if (self.agent == "replay") != (self.rescore_of is not None):
+            raise ValueError("agent replay and rescore_of (the job rescored) go together")
         if self.agent == "model" and not self.checkpoint:
             raise ValueError("--agent model needs --checkpoint (an HF directory or a run's checkpoint)")
         if self.attempts < 1:
@@ -145,7 +148,8 @@ class EvalSettings:
 
 _LATER_FIELDS = ("task_sample", "default_command_duration_sec", "max_command_duration_sec",
                  "max_output_bytes", "min_turn_tokens", "observation_reserve_tokens", "summary_max_tokens",
-                 "compaction", "max_compactions", "budget_note", "budget_note_format")  # fmt: skip
+                 "compaction", "max_compactions", "budget_note", "budget_note_format",
+                 "rescore_of")  # fmt: skip
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EvalSettings)}
 
 
@@ -290,10 +294,11 @@ def environment_fields(environment: EnvironmentAudit | None) -> dict[str, Any]:
 
 
 def skipped_result(
-    task: Task, attempt: int, settings: EvalSettings, environment: EnvironmentAudit,
-    job: JobContext | None = None,
+    task: Task, attempt: int, settings: EvalSettings, environment: EnvironmentAudit | None,
+    job: JobContext | None = None, reason: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The result of a trial never started: the backend's audit says it cannot run the task."""
+    """The result of a trial never started: the backend's audit says it cannot run the task
+    (or `reason`, e.g. a rescore that has nothing to replay)."""
     ours = {
         "trial_name": trial_name(task, attempt),
         "task_name": task.task_id,
@@ -305,7 +310,7 @@ def skipped_result(
         "fate": TrialFate.FAILED.value,
         "skipped": True,
         "error": None,
-        "detail": environment.describe()[:2000],
+        "detail": (reason or environment.describe())[:2000],
         "resolved": False,
         "reward": 0.0,
         "tests_passed": 0,
@@ -327,7 +332,7 @@ def skipped_result(
             task_dir=task.source_dir, source=job.source, agent=settings.agent, checkpoint=settings.checkpoint,
             reward=None, error=(FailureCause.SANDBOX_UNSUPPORTED.value, ours["detail"]), durations=None,
             finished_at=time.time(), tokens=None, agent_kwargs=_agent_kwargs(settings),
-            backend=environment.backend,
+            backend=None if environment is None else environment.backend,
         ),
     }  # fmt: skip
 
@@ -373,6 +378,9 @@ def trial_config(
         agent=harbor.agent_config(settings.agent, settings.checkpoint, _agent_kwargs(settings)),
         backend=None if environment is None else environment.backend,
     )  # fmt: skip
+    if settings.rescore_of is not None:  # Harbor's regrade: the trial derives from the source's
+        config["source_trial"] = {"action": "regrade", "type": "local",
+                                  "path": str(Path(settings.rescore_of) / spec.trial_id)}  # fmt: skip
     config["t1jax"] = {
         "task_id": spec.task.task_id,
         "attempt": spec.attempt,
@@ -383,9 +391,10 @@ def trial_config(
 
 def write_trial(
     job_dir: Path, trial: FinishedTrial, settings: EvalSettings, decode, environment=None,
-    job: JobContext | None = None,
+    job: JobContext | None = None, annotation: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Write one trial's directory; `result.json` goes last, so its presence means complete."""
+    """Write one trial's directory; `result.json` goes last, so its presence means complete.
+    `annotation`: fields added to the result (a rescore's account of its replay)."""
     from t1jax.harbor.atif import trajectory_record
 
     job = job or JobContext(Path(job_dir), harbor.trial_uuid("", str(Path(job_dir).resolve())))
@@ -406,7 +415,7 @@ def write_trial(
         # the verifier's console output as the sandbox kept it (its tail; stdout and stderr
         # interleaved, so there is no separate test-stderr.txt)
         (directory / "verifier" / "test-stdout.txt").write_text(report.output_tail)
-    result = trial_result(trial, settings, environment, job)
+    result = {**trial_result(trial, settings, environment, job), **(annotation or {})}
     _write_json(directory / "result.json", result)
     return result
 
@@ -515,6 +524,9 @@ class EvalJob:
         self.specs = plan_trials(self.tasks, settings)
         self.environments: dict[str, EnvironmentAudit] = {}
         self.identity: dict[str, str] = {}  # the job's Harbor id and start (config.json)
+        # trials not to run, with why (listed as skipped); fields to add to a trial's result
+        self.not_runnable: dict[str, str] = {}
+        self.annotate: Callable[[str], Mapping[str, Any]] | None = None
 
     def audit_environments(self, provider) -> None:
         """Ask `provider` how it will run each task (no sandbox starts); results name it, and the
@@ -573,6 +585,15 @@ class EvalJob:
         for spec in self.specs:
             result_path = self.job_dir / spec.trial_id / "result.json"
             environment = self.environments.get(spec.task.task_id)
+            reason = self.not_runnable.get(spec.trial_id)
+            if reason is not None and not result_path.exists():
+                result_path.parent.mkdir(parents=True, exist_ok=True)
+                _write_json(result_path.parent / "config.json", trial_config(spec, self.settings, environment,
+                                                                             self.context))  # fmt: skip
+                skipped = skipped_result(
+                    spec.task, spec.attempt, self.settings, environment, self.context, reason
+                )
+                _write_json(result_path, skipped)
             if environment is not None and not environment.runnable and not result_path.exists():
                 result_path.parent.mkdir(parents=True, exist_ok=True)
                 _write_json(result_path.parent / "config.json", trial_config(spec, self.settings, environment,
@@ -616,7 +637,7 @@ class EvalJob:
                     continue
                 results[trial.trial_id] = write_trial(
                     self.job_dir, trial, self.settings, decode, self.environments.get(trial.task.task_id),
-                    self.context,
+                    self.context, None if self.annotate is None else self.annotate(trial.trial_id),
                 )
                 if on_trial is not None:
                     on_trial(results[trial.trial_id], len(results), len(self.specs))

@@ -31,7 +31,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-AGENT_NAMES = {"oracle": "oracle", "nop": "nop", "model": "t1jax"}  # t1jax agent -> Harbor name
+# t1jax agent -> Harbor name
+AGENT_NAMES = {"oracle": "oracle", "nop": "nop", "model": "t1jax", "replay": "t1jax-replay"}
 SCHEMA_VERSION = 1  # Harbor's JobResult / TrialResult / TrialConfig schema_version
 # A trial's Harbor id is a function of its job's id and its name (a resumed job keeps both).
 _TRIAL_NAMESPACE = uuid.UUID("5b0f7c52-3a57-4bb4-9d0e-5f3a9f0c1e21")
