@@ -48,8 +48,8 @@ def test_a_rescore_replays_the_trials_against_the_verifier_as_it_is_now(tmp_path
     lost = read(new / "t1jax-hello-world__attempt-2" / "result.json")
     assert lost["skipped"] and "not rescored: the trial has no recorded trajectory" in lost["detail"]
     config = read(new / "t1jax-hello-world__attempt-1" / "config.json")
-    assert config["source_trial"] == {"action": "regrade", "type": "local",
-                                      "path": str(old.resolve() / "t1jax-hello-world__attempt-1")}  # fmt: skip
+    source = str(old.resolve() / "t1jax-hello-world__attempt-1")
+    assert config["source_trial"] == {"action": "regrade", "type": "local", "path": source}
     result = read(new / "result.json")
     assert result["n_trials"] == 1 and result["resolved_rate"] == 0.0
     assert [s["reason"][:12] for s in result["skipped"]] == ["not rescored"]
