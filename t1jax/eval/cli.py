@@ -199,7 +199,7 @@ def rescore(args: argparse.Namespace) -> int:
     """`--rescore JOB_DIR`: the job's settings with the replay agent, into JOB_DIR-rescored."""
     import dataclasses
 
-    from t1jax.cli import UsageError
+    from sandbox_service.cli_contract import UsageError
     from t1jax.eval.job import EvalSettings
     from t1jax.eval.rescore import source_settings
 
