@@ -270,8 +270,7 @@ def trial_result(
             error=None if cause is None else (cause, trial.detail[:2000]),
             durations=None if not trial.started else ours["timings"],
             finished_at=time.time() if finished_at is None else finished_at, tokens=tokens,
-            agent_kwargs=_agent_kwargs(settings),
-            backend=None if environment is None else environment.backend,
+            config=_harbor_config(trial.spec, settings, environment, job),
         ),
     }  # fmt: skip
 
@@ -331,8 +330,9 @@ def skipped_result(
             job_id=job.job_id, job_dir=job.job_dir, trial_name=ours["trial_name"], task_name=task.task_id,
             task_dir=task.source_dir, source=job.source, agent=settings.agent, checkpoint=settings.checkpoint,
             reward=None, error=(FailureCause.SANDBOX_UNSUPPORTED.value, ours["detail"]), durations=None,
-            finished_at=time.time(), tokens=None, agent_kwargs=_agent_kwargs(settings),
-            backend=None if environment is None else environment.backend,
+            finished_at=time.time(), tokens=None,
+            config=_harbor_config(TrialSpec(ours["trial_name"], task, settings.sampling, attempt), settings,
+                                  environment, job),
         ),
     }  # fmt: skip
 
@@ -366,6 +366,10 @@ def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     os.replace(tmp, path)
+
+
+def _harbor_config(spec, settings, environment, job) -> dict[str, Any]:
+    return {k: v for k, v in trial_config(spec, settings, environment, job).items() if k != "t1jax"}
 
 
 def trial_config(

@@ -134,16 +134,13 @@ def trial_fields(
     *, job_id: str, job_dir: Path, trial_name: str, task_name: str, task_dir: Path, source: str | None,
     agent: str, checkpoint: str | None, reward: float | None, error: tuple[str, str] | None,
     durations: Mapping[str, float] | None, finished_at: float, tokens: tuple[int, int] | None,
-    agent_kwargs: Mapping[str, Any], backend: str | None,
+    config: Mapping[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
     """Harbor's `TrialResult` fields of one trial. `reward`: the verifier's reward when it counts
     (None: no valid reward); `error`: (cause, detail) of an errored or skipped trial;
-    `tokens`: (prompt, completion) tokens over the trial's sampler calls."""
+    `tokens`: (prompt, completion) tokens over the trial's sampler calls; `config`: the trial's
+    `TrialConfig` (its config.json's)."""
     directory = Path(job_dir) / trial_name
-    config = trial_config(
-        job_id=job_id, job_dir=Path(job_dir).resolve(), trial_name=trial_name, task_dir=task_dir,
-        agent=agent_config(agent, checkpoint, agent_kwargs), backend=backend,
-    )  # fmt: skip
     fields: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "id": trial_uuid(job_id, trial_name),
@@ -153,7 +150,7 @@ def trial_fields(
         "task_id": {"path": str(task_dir)},
         "source": source,
         "task_checksum": task_digest(task_dir),
-        "config": config,
+        "config": dict(config),
         "agent_info": agent_info(agent, checkpoint),
         "agent_result": None
         if tokens is None

@@ -59,7 +59,8 @@ def t1jax(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def jobs(tmp_path_factory) -> dict[str, Path]:
     """Job directories `t1jax eval` wrote: the oracle (2 attempts) and the no-op agent on the
-    bundled tasks, and a job with a task the backend cannot run (skipped, never started)."""
+    bundled tasks, a job with a task the backend cannot run (skipped, never started), and the
+    oracle's job rescored (`--rescore`)."""
     root = tmp_path_factory.mktemp("jobs")
     out = {}
     for name, agent, attempts in (("oracle", "oracle", "2"), ("nop", "nop", "1")):
@@ -76,4 +77,8 @@ def jobs(tmp_path_factory) -> dict[str, Path]:
     t1jax("eval", "--tasks", str(tasks), "--agent", "oracle", "--attempts", "1", "--out", str(skipped),
           "--no-progress")  # fmt: skip
     out["skipped"] = skipped
+    # the oracle's job rescored: its trials replayed (Harbor's regrade: `source_trial`)
+    t1jax("eval", "--rescore", str(root / "oracle"), "--out", str(root / "rescored"), "--concurrency", "5",
+          "--no-progress")  # fmt: skip
+    out["rescored"] = root / "rescored"
     return out

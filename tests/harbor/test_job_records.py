@@ -26,8 +26,9 @@ from harbor.viewer.scanner import JobScanner
 from harbor.viewer.server import create_app
 
 from t1jax.harbor.atif import EXTENSION, token_streams
+from t1jax.harbor.records import AGENT_NAMES
 
-JOBS = ("oracle", "nop", "skipped")
+JOBS = ("oracle", "nop", "skipped", "rescored")
 
 
 def trial_dirs(job: Path) -> list[Path]:
@@ -69,9 +70,16 @@ def test_what_harbor_reads_of_each_trial_is_what_we_wrote(jobs, name):
         assert (task_dir / "task.toml").exists() or (task_dir / "task.yaml").exists()
         assert result.trial_uri == directory.resolve().as_uri()
         # the agent by Harbor's own name: `harbor run` with this config runs the same agent
-        assert result.agent_info.name == AgentName(mine["agent"]).value
+        assert result.agent_info.name == AGENT_NAMES[mine["agent"]]
+        if mine["agent"] in ("oracle", "nop"):
+            assert AgentName(mine["agent"]).value == AGENT_NAMES[mine["agent"]]
         config = TrialConfig.model_validate_json((directory / "config.json").read_text())
-        assert config == result.config and config.agent.name == mine["agent"]
+        assert config == result.config and config.agent.name == AGENT_NAMES[mine["agent"]]
+        # a rescored trial is Harbor's regrade of its source trial
+        if mine["agent"] == "replay":
+            assert config.is_regrade and config.source_trial.path == Path(mine["rescore"]["source_trial"])
+        else:
+            assert not config.is_regrade
         assert config.task.get_task_id() == result.task_id and config.trial_name == directory.name
         assert str(config.job_id) == ours(jobs[name] / "config.json")["id"]
         if mine["skipped"] or mine["error"] is not None:
@@ -158,7 +166,7 @@ def test_harbors_job_scanner_and_viewer_read_the_job(jobs, name):
     assert listing.status_code == 200
     (summary,) = [item for item in listing.json()["items"] if item["name"] == job.name]
     agent = ours(trial_dirs(job)[0] / "result.json")["agent"]
-    assert summary["n_total_trials"] == len(trial_dirs(job)) and summary["agents"] == [AgentName(agent).value]
+    assert summary["n_total_trials"] == len(trial_dirs(job)) and summary["agents"] == [AGENT_NAMES[agent]]
     trials = client.get(f"/api/jobs/{job.name}/trials", params={"page_size": 100})
     assert trials.status_code == 200
     rows = {row["name"]: row for row in trials.json()["items"]}
@@ -180,7 +188,7 @@ def test_harbors_job_scanner_and_viewer_read_the_job(jobs, name):
         assert (trajectory.json() is None) == (not (directory / "agent" / "trajectory.json").exists())
 
 
-@pytest.mark.parametrize("name", ("oracle", "nop"))
+@pytest.mark.parametrize("name", ("oracle", "nop", "rescored"))
 def test_each_trajectory_is_atif_with_the_training_extension(jobs, name):
     for directory in trial_dirs(jobs[name]):
         document = ours(directory / "agent" / "trajectory.json")

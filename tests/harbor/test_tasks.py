@@ -37,7 +37,8 @@ ONLY_HARBOR_LOADS = {
     "malformed_tasks/unknown-difficulty": "Harbor's metadata is free-form; ours is an enum",
 }
 ONLY_OURS_LOADS = {
-    "tasks/terminal-bench-1/log-parsing": "Harbor's mapper needs a docker-compose.yaml; TB 1.x tasks may have only a Dockerfile",
+    "tasks/terminal-bench-1/log-parsing": "Harbor's mapper needs a docker-compose.yaml; TB 1.x tasks "
+    "may have only a Dockerfile",
 }
 
 
