@@ -17,14 +17,16 @@ TPU_VENV ?= .venv-tpu
 TPU_PY := $(TPU_VENV)/bin/python
 
 # What the sandboxes need from the host (Debian 12): bubblewrap and util-linux for the local backend,
-# podman + runc for the container backend, mmdebstrap to build stand-in base images, tmux, CA certs.
-SYSTEM_PACKAGES := bubblewrap util-linux tmux podman runc mmdebstrap ca-certificates python3-venv
+# podman + runc for the container backend, mmdebstrap to build stand-in base images, tmux, CA certs;
+# docker-registry (distribution): the tests' registry on localhost (tests/sandbox_service/test_registry.py).
+SYSTEM_PACKAGES := bubblewrap util-linux tmux podman runc mmdebstrap ca-certificates python3-venv \
+	docker-registry
 # The base images the default test suite's tasks name; their stand-ins are built (mmdebstrap, ~1 min
 # each) into ~/.cache/t1jax/stand-ins and imported into podman. `make setup-containers` adds those
 # of the fidelity corpus (tests/data/fidelity_tasks).
 DEFAULT_STAND_INS := python:3.11-slim python:3.11 debian:bookworm python:3.12-slim-bookworm \
 	ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624
-CORPUS_STAND_INS := golang:1.24-bookworm eclipse-temurin:21-jdk gcc:14
+CORPUS_STAND_INS := golang:1.24-bookworm eclipse-temurin:21-jdk gcc:14 buildpack-deps:jammy
 
 .PHONY: setup setup-system setup-containers test test-slow test-containers bench bench-all lint setup-tpu \
 	test-tpu-contract demo ablation setup-harbor test-harbor
@@ -77,7 +79,8 @@ test-slow:
 
 # The fidelity corpus through check-tasks on the local and the container backend.
 test-containers: setup-containers
-	$(PY) -m pytest -m containers -n $(PYTEST_WORKERS) -q tests/sandbox/test_fidelity_corpus.py
+	$(PY) -m pytest -m containers -n $(PYTEST_WORKERS) -q tests/sandbox/test_fidelity_corpus.py \
+		tests/sandbox_service/test_load.py
 
 # The speed figures of the embedded default in one table (bench/table.py); bench-all runs every
 # bench script alone, each printing its own ratios.

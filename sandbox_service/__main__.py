@@ -79,13 +79,22 @@ def admission_config(args: argparse.Namespace) -> AdmissionConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from sandbox_service.access import AccessPolicy, AccessRefused, check_bind, load_token
     from sandbox_service.server import TaskStore, create_app, serve
 
+    try:  # before anything starts: a service open to others is refused outright
+        token = load_token(token_file=args.token_file, token_env=args.token_env)
+        check_bind(args.host, token)
+    except AccessRefused as error:
+        raise UsageError(str(error)) from None
     backend = open_backend(args)
     controller = AdmissionController(backend, admission_config(args))
     store_dir = args.task_store or Path(tempfile.mkdtemp(prefix="t1jax-task-store-"))
     close_backend = getattr(backend, "close", None)
-    app = create_app(controller, TaskStore(store_dir), backend_name=args.backend, on_shutdown=close_backend)
+    app = create_app(
+        controller, TaskStore(store_dir), backend_name=args.backend, on_shutdown=close_backend,
+        access=AccessPolicy(token),
+    )  # fmt: skip
     # SIGINT/SIGTERM: uvicorn stops accepting requests, the app's shutdown closes every trial and the
     # backend, then uvicorn re-raises the signal (so the exit status says which signal ended it).
     serve(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -248,6 +257,8 @@ def parser() -> argparse.ArgumentParser:
     add_backend_flags(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed at start)")
+    serve.add_argument("--token-file", type=Path, help="the bearer token every request must carry")
+    serve.add_argument("--token-env", metavar="VAR", help="read the bearer token from this variable")
     serve.add_argument(
         "--task-store", type=Path, default=None, help="where uploaded task directories are kept"
     )

@@ -797,6 +797,10 @@ class AdmissionController:
             )
         return trial
 
+    def run_of(self, trial_or_sandbox_id: str) -> str:
+        """The run a trial (by trial id or sandbox id) belongs to; `UnknownSandbox` if none."""
+        return self._find(trial_or_sandbox_id).run_id
+
     def get(self, trial_or_sandbox_id: str) -> AdmittedSandbox:
         """A handle to an existing trial by trial id or sandbox id (the server uses this). For a
         closed trial the handle exists but every call on it raises the reason it was closed."""

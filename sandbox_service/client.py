@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 import httpx
 
 from sandbox_service import wire
+from sandbox_service.access import RUN_HEADER, TOKEN_ENV
 from sandbox_service.admission import LeakReport
 from sandbox_service.contracts import (
     EnvironmentAudit,
@@ -55,8 +57,12 @@ class SandboxServiceClient:
         default_admission_wait_sec: float = 3600.0,
         max_connections: int = 256,
         transport: httpx.BaseTransport | None = None,
+        token: str | None = None,
     ):
+        """`token`: the service's bearer token (default: the `T1JAX_SANDBOX_TOKEN` variable, if set)."""
         self.base_url = base_url.rstrip("/")
+        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        auth = {"authorization": f"Bearer {token}"} if token else {}
         self.timeout_margin_sec = timeout_margin_sec
         self.default_admission_wait_sec = default_admission_wait_sec
         self._connect_timeout = connect_timeout_sec
@@ -65,14 +71,26 @@ class SandboxServiceClient:
             timeout=httpx.Timeout(connect_timeout_sec + timeout_margin_sec, connect=connect_timeout_sec),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
             transport=transport,
+            headers=auth,
         )
         self._uploaded: set[str] = set()
+        self._runs: dict[str, str] = {}  # trial id -> its run (every sandbox request names its run)
         self._digests: dict[Path, tuple[tuple[int, int], str]] = {}
         self._lock = threading.Lock()
 
     # ---- plumbing --------------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, *, timeout_sec: float | None = None, **kwargs: Any) -> Any:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        timeout_sec: float | None = None,
+        run_id: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if run_id is not None:
+            kwargs["headers"] = {**kwargs.get("headers", {}), RUN_HEADER: run_id}
         timeout = httpx.Timeout(
             None if timeout_sec is None else timeout_sec + self.timeout_margin_sec,
             connect=self._connect_timeout,
@@ -148,6 +166,8 @@ class SandboxServiceClient:
         thread `cancel` it while this call waits. The request times out after the admission wait
         plus the task's total deadline plus the margin."""
         trial_id = trial_id or uuid.uuid4().hex
+        with self._lock:
+            self._runs[trial_id] = run_id
         digest = self._digest(task.source_dir)
         body = {
             "task_digest": digest,
@@ -165,15 +185,17 @@ class SandboxServiceClient:
             self._upload(digest, task.source_dir)
         try:
             try:
-                reply = self._request("POST", "/sandboxes", json=body, timeout_sec=timeout)
+                reply = self._request("POST", "/sandboxes", json=body, timeout_sec=timeout, run_id=run_id)
             except UnknownTaskUpload:  # the service restarted and lost its store: upload again
                 with self._lock:
                     self._uploaded.discard(digest)
                 self._upload(digest, task.source_dir)
-                reply = self._request("POST", "/sandboxes", json=body, timeout_sec=timeout)
+                reply = self._request("POST", "/sandboxes", json=body, timeout_sec=timeout, run_id=run_id)
         except ServiceUnavailable:
             self._cancel_quietly(trial_id)
             raise
+        with self._lock:
+            self._runs[str(reply["sandbox_id"])] = run_id
         return RemoteSandbox(self, task, reply)
 
     def environment_audit(self, task: Task) -> EnvironmentAudit:
@@ -203,14 +225,19 @@ class SandboxServiceClient:
 
     def cancel(self, trial_or_sandbox_id: str) -> bool:
         """Cancel a trial at any point (also while its create is still waiting or running)."""
-        return bool(self._request("DELETE", f"/trials/{trial_or_sandbox_id}", timeout_sec=120.0)["cancelled"])
+        with self._lock:
+            run_id = self._runs.get(trial_or_sandbox_id)
+        reply = self._request("DELETE", f"/trials/{trial_or_sandbox_id}", timeout_sec=120.0, run_id=run_id)
+        return bool(reply["cancelled"])
 
     def leak_check(self, run_id: str) -> LeakReport:
-        return _leak_report(self._request("POST", f"/runs/{run_id}/leak-check", timeout_sec=300.0))
+        return _leak_report(
+            self._request("POST", f"/runs/{run_id}/leak-check", timeout_sec=300.0, run_id=run_id)
+        )
 
     def reclaim_run(self, run_id: str) -> tuple[list[str], LeakReport]:
         """Cancel every open trial of the run, then leak-check it. Returns (cancelled, report)."""
-        reply = self._request("DELETE", f"/runs/{run_id}", timeout_sec=300.0)
+        reply = self._request("DELETE", f"/runs/{run_id}", timeout_sec=300.0, run_id=run_id)
         return list(reply["cancelled"]), _leak_report(reply)
 
     def cancel_run(self, run_id: str) -> list[str]:
@@ -218,8 +245,8 @@ class SandboxServiceClient:
         return self.reclaim_run(run_id)[0]
 
     def trials(self, run_id: str | None = None) -> list[dict[str, Any]]:
-        params = {} if run_id is None else {"run_id": run_id}
-        return list(self._request("GET", "/sandboxes", params=params, timeout_sec=30.0)["trials"])
+        """The open trials of `run_id` (the service shows a run only its own)."""
+        return list(self._request("GET", "/sandboxes", timeout_sec=30.0, run_id=run_id)["trials"])
 
     def health(self) -> dict[str, Any]:
         return self._request("GET", "/health", timeout_sec=30.0)
@@ -267,6 +294,7 @@ class RemoteSandbox:
         reply = self._client._request(
             "POST",
             f"/sandboxes/{self._sandbox_id}/exec",
+            run_id=self.run_id,
             json={"command": command, "timeout_sec": timeout_sec},
             timeout_sec=_as_seconds(timeout_sec),
         )
@@ -276,6 +304,7 @@ class RemoteSandbox:
         reply = self._client._request(
             "POST",
             f"/sandboxes/{self._sandbox_id}/keys",
+            run_id=self.run_id,
             json={"keys": keys, "wait_sec": wait_sec},
             timeout_sec=_as_seconds(wait_sec),
         )
@@ -285,7 +314,9 @@ class RemoteSandbox:
         longest = max(
             [self.limits.verifier_timeout_sec, *(s.limits.verifier_timeout_sec for s in self._task.steps)]
         )
-        reply = self._client._request("POST", f"/sandboxes/{self._sandbox_id}/verify", timeout_sec=longest)
+        reply = self._client._request(
+            "POST", f"/sandboxes/{self._sandbox_id}/verify", timeout_sec=longest, run_id=self.run_id
+        )
         return wire.verifier_report_from_json(reply)
 
     def close(self) -> None:
@@ -294,7 +325,9 @@ class RemoteSandbox:
         if self._closed:
             return
         try:
-            self._client._request("DELETE", f"/sandboxes/{self._sandbox_id}", timeout_sec=120.0)
+            self._client._request(
+                "DELETE", f"/sandboxes/{self._sandbox_id}", timeout_sec=120.0, run_id=self.run_id
+            )
         except UnknownSandbox:
             pass
         self._closed = True

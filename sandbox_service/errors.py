@@ -47,6 +47,20 @@ class BadRequest(SandboxServiceError, ValueError):
     http_status = 400
 
 
+class Unauthorized(SandboxServiceError):
+    """The request carries no valid bearer token for a service that requires one."""
+
+    code = "unauthorized"
+    http_status = 401
+
+
+class PayloadTooLarge(BadRequest):
+    """The request body is larger than the service accepts for that route."""
+
+    code = "payload_too_large"
+    http_status = 413
+
+
 class UnknownSandbox(SandboxServiceError, KeyError):
     """No sandbox (or trial) with this id was ever created by this service."""
 
@@ -132,6 +146,8 @@ class ServiceUnavailable(SandboxServiceError):
 _ALL: tuple[type[SandboxServiceError], ...] = (
     SandboxServiceError,
     BadRequest,
+    Unauthorized,
+    PayloadTooLarge,
     UnknownSandbox,
     UnknownTaskUpload,
     SandboxStateError,

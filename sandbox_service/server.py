@@ -58,11 +58,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sandbox_service import wire
+from sandbox_service.access import RUN_HEADER, AccessPolicy, check_bind
 from sandbox_service.admission import AdmissionController, LeakReport, TrialInfo, TrialState
 from sandbox_service.contracts import SandboxError
 from sandbox_service.errors import (
     BadRequest,
+    PayloadTooLarge,
     SandboxServiceError,
+    Unauthorized,
+    UnknownSandbox,
     UnknownTaskUpload,
     error_to_json,
     translate,
@@ -71,6 +75,7 @@ from sandbox_service.errors import (
 log = logging.getLogger(__name__)
 
 API_PREFIX = wire.API_PREFIX
+NO_TOKEN = AccessPolicy()  # loopback only (`serve` refuses any other host without a token)
 MAX_JSON_BYTES = 64 << 20
 
 
@@ -137,10 +142,23 @@ def _check_digest(digest: str) -> None:
 # Request helpers
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed `limit`: by its Content-Length
+    before anything is read, or while streaming one that has none (chunked)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _json_body(request: Request) -> dict[str, Any]:
-    body = await request.body()
-    if len(body) > MAX_JSON_BYTES:
-        raise BadRequest(f"request body of {len(body)} bytes exceeds {MAX_JSON_BYTES} bytes")
+    body = await _read_body(request, MAX_JSON_BYTES)
     if not body:
         return {}
     try:
@@ -194,7 +212,16 @@ def leak_report_to_json(report: LeakReport) -> dict[str, Any]:
 
 
 def _error_response(error: SandboxServiceError) -> JSONResponse:
-    return JSONResponse(error_to_json(error), status_code=error.http_status)
+    body = error_to_json(error)
+    body["message"] = " ".join(str(body["message"]).split())  # one line, whatever the cause printed
+    return JSONResponse(body, status_code=error.http_status)
+
+
+def _run_of_request(request: Request) -> str:
+    run = request.headers.get(RUN_HEADER, "")
+    if not run:
+        raise BadRequest(f"the request names no run: send the {RUN_HEADER} header")
+    return run
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,10 +235,12 @@ def create_app(
     backend_name: str = "unknown",
     worker_threads: int | None = None,
     on_shutdown: Callable[[], None] | None = None,
+    access: AccessPolicy = NO_TOKEN,
 ) -> Starlette:
     """The ASGI app. `worker_threads` bounds concurrent backend calls (default: enough for every
     live sandbox to have an exec and a close in flight, plus queued creates). At shutdown the app
-    closes every trial, then calls `on_shutdown` (e.g. to close the backend)."""
+    closes every trial, then calls `on_shutdown` (e.g. to close the backend). `access`: the bearer
+    token every request must carry, if any (`sandbox_service.access`)."""
     threads = anyio.CapacityLimiter(worker_threads or max(64, 3 * controller.config.max_live_sandboxes + 16))
 
     async def blocking(fn: Callable[..., Any], *args: Any) -> Any:
@@ -222,6 +251,8 @@ def create_app(
     ) -> Callable[[Request], Awaitable[Response]]:
         async def wrapped(request: Request) -> Response:
             try:
+                if not access.authorizes(request.headers.get("authorization")):
+                    raise Unauthorized("missing or wrong bearer token (Authorization: Bearer TOKEN)")
                 return await handler(request)
             except SandboxServiceError as error:
                 return _error_response(error)
@@ -236,6 +267,23 @@ def create_app(
 
         return wrapped
 
+    def owned(request: Request, key: str = "sandbox_id") -> str:
+        """The trial or sandbox id of the path, if it belongs to the run the request names; an id
+        of another run is answered exactly as an unknown one."""
+        wanted, run = request.path_params[key], _run_of_request(request)
+        try:
+            if controller.run_of(wanted) == run:
+                return wanted
+        except UnknownSandbox:
+            pass
+        raise UnknownSandbox(f"no sandbox or trial with id {wanted!r} exists in run {run!r}")
+
+    def same_run(request: Request, run_id: str) -> str:
+        run = _run_of_request(request)
+        if run_id != run:
+            raise BadRequest(f"the request names run {run!r} but addresses run {run_id!r}")
+        return run
+
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "backend": backend_name, "stats": controller.stats()})
 
@@ -249,11 +297,7 @@ def create_app(
         _check_digest(digest)
         if task_store.has(digest):
             return JSONResponse({"digest": digest, "stored": True, "new": False}, status_code=200)
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > task_store.max_upload_bytes:
-            limit = task_store.max_upload_bytes
-            raise BadRequest(f"task upload of {declared} bytes exceeds the {limit}-byte limit")
-        body = await request.body()
+        body = await _read_body(request, task_store.max_upload_bytes)
         created = await blocking(task_store.put, digest, body)
         return JSONResponse(
             {"digest": digest, "stored": True, "new": created}, status_code=201 if created else 200
@@ -264,7 +308,9 @@ def create_app(
         digest = _string(data, "task_digest")
         root = task_store.require(digest)
         task = wire.task_from_json(data.get("task"), root)
-        run_id = _string(data, "run_id", default="default")
+        run_id = _string(data, "run_id", default="default")  # the body names it; a header must agree
+        if request.headers.get(RUN_HEADER) is not None:
+            same_run(request, run_id)
         trial_id = data.get("trial_id")
         if trial_id is not None and (not isinstance(trial_id, str) or not trial_id):
             raise BadRequest("field 'trial_id' must be a non-empty string when given")
@@ -296,11 +342,11 @@ def create_app(
         return JSONResponse(audit.to_json())
 
     async def list_sandboxes(request: Request) -> Response:
-        run_id = request.query_params.get("run_id")
+        run_id = same_run(request, request.query_params.get("run_id") or _run_of_request(request))
         return JSONResponse({"trials": [_trial_to_json(info) for info in controller.trials(run_id)]})
 
     async def exec_command(request: Request) -> Response:
-        sandbox = controller.get(request.path_params["sandbox_id"])
+        sandbox = controller.get(owned(request))
         data = await _json_body(request)
         command = _string(data, "command")
         timeout_sec = _number(data, "timeout_sec")
@@ -308,7 +354,7 @@ def create_app(
         return JSONResponse(wire.exec_result_to_json(result))
 
     async def send_keys(request: Request) -> Response:
-        sandbox = controller.get(request.path_params["sandbox_id"])
+        sandbox = controller.get(owned(request))
         data = await _json_body(request)
         keys = _string(data, "keys")
         wait_sec = _number(data, "wait_sec", default=0.0, required=False)
@@ -316,26 +362,26 @@ def create_app(
         return JSONResponse(wire.terminal_read_to_json(read))
 
     async def verify(request: Request) -> Response:
-        sandbox = controller.get(request.path_params["sandbox_id"])
+        sandbox = controller.get(owned(request))
         report = await blocking(sandbox.verify)
         return JSONResponse(wire.verifier_report_to_json(report))
 
     async def close_sandbox(request: Request) -> Response:
-        sandbox = controller.get(request.path_params["sandbox_id"])
+        sandbox = controller.get(owned(request))
         was_open = sandbox.state is not TrialState.CLOSED
         await blocking(sandbox.close)
         return JSONResponse({"closed": was_open})
 
     async def cancel_trial(request: Request) -> Response:
-        cancelled = await blocking(controller.cancel, request.path_params["trial_id"])
+        cancelled = await blocking(controller.cancel, owned(request, "trial_id"))
         return JSONResponse({"cancelled": cancelled})
 
     async def leak_check(request: Request) -> Response:
-        report = await blocking(controller.leak_check, request.path_params["run_id"])
+        report = await blocking(controller.leak_check, same_run(request, request.path_params["run_id"]))
         return JSONResponse(leak_report_to_json(report))
 
     async def delete_run(request: Request) -> Response:
-        run_id = request.path_params["run_id"]
+        run_id = same_run(request, request.path_params["run_id"])
         cancelled = await blocking(controller.cancel_run, run_id)
         report = await blocking(controller.leak_check, run_id)
         return JSONResponse({"cancelled": cancelled, **leak_report_to_json(report)})
@@ -365,6 +411,7 @@ def create_app(
         Route(f"{p}/runs/{{run_id}}", endpoint(delete_run), methods=["DELETE"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.access = access  # `serve` refuses a non-loopback bind without a token
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return JSONResponse(
@@ -404,7 +451,9 @@ def _uvicorn_server(app: Starlette, log_level: str) -> uvicorn.Server:
 
 
 def serve(app: Starlette, *, host: str = "127.0.0.1", port: int = 8765, log_level: str = "info") -> None:
-    """Run the service in the foreground until SIGINT/SIGTERM; shutdown closes every sandbox."""
+    """Run the service in the foreground until SIGINT/SIGTERM; shutdown closes every sandbox.
+    Raises `access.AccessRefused` for a host beyond loopback when the app has no token."""
+    check_bind(host, getattr(app.state, "access", NO_TOKEN).token)
     sock = _bind(host, port)
     actual_host, actual_port = sock.getsockname()[:2]
     print(f"sandbox service listening on http://{actual_host}:{actual_port}{API_PREFIX}", flush=True)

@@ -96,9 +96,12 @@ class RegistryImages:
 
     A task that names `[environment].docker_image` runs it as is. A task with only a Dockerfile runs
     `<registry>/<task slug>:<first 16 hex of the build context's digest>`: the tag changes exactly when
-    the build context does, so a build step can push each task's image once and never re-push."""
+    the build context does, so a build step can push each task's image once and never re-push.
+    With a `publisher` (`sandbox_service.registry.ImagePublisher`: anything with `image_for(task)`)
+    the image is built and pushed here, and the Pod names it by the digest the registry stored."""
 
     registry: str | None = None
+    publisher: Any = None
 
     def image_for(self, task: Task) -> str:
         env = task.environment
@@ -106,6 +109,8 @@ class RegistryImages:
             return env.docker_image
         if env.dockerfile is None:
             raise BackendError(f"task {task.task_id} names neither a docker_image nor a Dockerfile")
+        if self.publisher is not None:
+            return self.publisher.image_for(task)
         if not self.registry:
             raise BackendError(
                 f"task {task.task_id} has only a Dockerfile ({env.dockerfile}); "
@@ -162,9 +167,11 @@ class KubernetesBackend:
         networking_api: Any = None,
         stream_fn: Callable[..., Any] | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        image_publisher: Any = None,
     ):
+        """`image_publisher` builds and pushes Dockerfile-only tasks' images (`RegistryImages`)."""
         self.config = config or KubernetesConfig()
-        self.images = RegistryImages(self.config.image_registry)
+        self.images = RegistryImages(self.config.image_registry, image_publisher)
         if core_api is None:
             core_api, networking_api = _default_apis()
         self.core_api = core_api

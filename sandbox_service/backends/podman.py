@@ -323,7 +323,8 @@ class PodmanConfig:
     """Options of the container backend. `pull`: "auto" (use a local copy, else pull, else a
     stand-in), "never" (local copy or stand-in), "always" (pull first; stand-in only if that fails).
     `allow_internet` grants the network to tasks that allow it (off: every container is offline).
-    `engine_args` None picks this host's (`default_engine_args`)."""
+    `engine_args` None picks this host's (`default_engine_args`). `insecure_registries` (host:port)
+    are pulled from over plain HTTP (a registry on localhost, as the tests start one)."""
 
     cache_dir: Path = DEFAULT_CACHE_DIR
     toolchain_dir: Path | None = None
@@ -340,6 +341,7 @@ class PodmanConfig:
     output_limit_bytes: int = DEFAULT_OUTPUT_LIMIT_BYTES
     disk_check_interval_sec: float = 5.0
     registry_retry_sec: float = 600.0
+    insecure_registries: tuple[str, ...] = ()
 
 
 class PodmanBackend:
@@ -400,8 +402,9 @@ class PodmanBackend:
         failed_at = self._unreachable.get(registry)
         if failed_at is not None and time.monotonic() - failed_at < self.config.registry_retry_sec:
             return False
+        insecure = ("--tls-verify=false",) if registry in self.config.insecure_registries else ()
         done = self.engine.call(
-            "pull", "--quiet", image, check=False, timeout_sec=self.config.pull_timeout_sec
+            "pull", "--quiet", *insecure, image, check=False, timeout_sec=self.config.pull_timeout_sec
         )
         if done.returncode == 0:
             return True

@@ -19,6 +19,7 @@ from service_helpers import SlowCreate, new_run_id
 from task_factory import with_limits, write_hello_task
 
 from sandbox_service import wire
+from sandbox_service.access import RUN_HEADER
 from sandbox_service.admission import AdmissionConfig, AdmissionController
 from sandbox_service.client import SandboxServiceClient
 from sandbox_service.contracts import FailureCause, Sandbox, SandboxProvider, UnsupportedEnvironment
@@ -102,14 +103,19 @@ def test_remote_sandbox_lifecycle_uploads_the_task_once(service, hello_task):
 
 def test_errors_come_back_as_the_same_exceptions_with_the_server_message(service, hello_task):
     client = service.client
+    run_id = new_run_id()
     with pytest.raises(UnknownSandbox, match="no sandbox or trial with id 'nope'"):
-        client._request("POST", "/sandboxes/nope/exec", json={"command": "true", "timeout_sec": 1})
+        client._request(
+            "POST", "/sandboxes/nope/exec", json={"command": "true", "timeout_sec": 1}, run_id=run_id
+        )
     task = with_limits(hello_task, agent=1.0, verifier=60.0, total=120.0)
-    sandbox = client.create(task, run_id=new_run_id())
+    sandbox = client.create(task, run_id=run_id)
     with pytest.raises(BadRequest, match="exec timeout_sec must be positive"):
         sandbox.exec("true", -1)
     with pytest.raises(BadRequest, match="field 'command' must be a string"):
-        client._request("POST", f"/sandboxes/{sandbox.sandbox_id}/exec", json={"timeout_sec": 1})
+        client._request(
+            "POST", f"/sandboxes/{sandbox.sandbox_id}/exec", json={"timeout_sec": 1}, run_id=run_id
+        )
     time.sleep(1.2)
     with pytest.raises(DeadlineExceeded, match="agent deadline") as raised:
         sandbox.exec("true", 5)
@@ -119,7 +125,7 @@ def test_errors_come_back_as_the_same_exceptions_with_the_server_message(service
         sandbox.exec("true", 5)
 
     exec_url = f"{service.thread.url}/v1/sandboxes/{sandbox.sandbox_id}/exec"
-    raw = httpx.post(exec_url, json={"command": "true", "timeout_sec": 1})
+    raw = httpx.post(exec_url, json={"command": "true", "timeout_sec": 1}, headers={RUN_HEADER: run_id})
     assert raw.status_code == 410 and raw.json()["error"] == "sandbox_closed"
     raw = httpx.post(f"{service.thread.url}/v1/sandboxes", content=b"{not json")
     assert raw.status_code == 400 and "not valid JSON" in raw.json()["message"]
