@@ -45,10 +45,12 @@ from sandbox_service.verifier import (
     TESTS_DIR,
     TOOLCHAIN_MOUNT,
     VERIFIER_TMP,
+    PackageInstallFailed,
     Toolchain,
     ToolchainMissing,
     VerifierPlan,
     diff_manifests,
+    install_test_packages,
     manifest_of_sources,
     plan_verifier,
     task_tests_sources,
@@ -486,14 +488,15 @@ class ContainerSandbox(abc.ABC):
             if problems:
                 detail = "tests differ from the task's after copying them in: " + ", ".join(problems[:10])
                 return VerifierReport((), False, FailureCause.TESTS_TAMPERED, None, None, detail)
-            # Not the host's test packages: built for its interpreters, and large (numpy, scipy).
+            # Not the host's test packages: built for its interpreters, and large (numpy, scipy); the
+            # plan's own are installed for the container's python3 and copied (`_with_test_packages`).
             skip = frozenset({"__pycache__", TEST_PACKAGES_SUBDIR})
             self.put_tree(toolchain.directory, TOOLCHAIN_MOUNT, skip_dirs=skip, gzip_level=6)
             reset = (
                 f"rm -rf {VERIFIER_LOG_DIR} {VERIFIER_TMP} && mkdir -p {VERIFIER_LOG_DIR} {VERIFIER_TMP}\n"
             )
             self._checked_run(reset.encode(), TRANSPORT_GRACE_SEC, "reset the verifier directories")
-            plan = remote_verifier_plan(task)
+            plan = self._with_test_packages(remote_verifier_plan(task), toolchain)
             command = shlex.join(["env", "-i", *(f"{k}={v}" for k, v in plan.env.items()), *plan.argv])
             result = self.exec_raw(
                 command,
@@ -528,6 +531,29 @@ class ContainerSandbox(abc.ABC):
         self._terminate()
 
     # ---- helpers for verify --------------------------------------------------------------------------
+
+    def _with_test_packages(self, plan: VerifierPlan, toolchain: Toolchain) -> VerifierPlan:
+        """`plan` with the packages the replaced test script would have installed (as the local and
+        container backends provide them: `verifier.install_test_packages`, on the service's host,
+        for the container's own python3 version) copied into the container's toolchain directory;
+        unchanged but for a note saying why where they cannot be had."""
+        if plan.mode != "pytest" or not plan.requirements:
+            return plan
+        wanted = ", ".join(plan.requirements)
+        probe = self.exec_raw("python3 -c 'import sys; print(*sys.version_info[:2])'", 60, as_root=True)
+        try:
+            major, minor = (int(part) for part in probe.stdout.split()[-2:])
+        except ValueError:
+            return dataclasses.replace(plan, note=f"{plan.note}; without {wanted}: no python3 version found")
+        try:
+            directory = install_test_packages(toolchain, plan.requirements, (major, minor))
+        except PackageInstallFailed as error:
+            note = f"{plan.note}; without {wanted}: installing them failed: {error}"
+            return dataclasses.replace(plan, note=note)
+        remote = f"{TOOLCHAIN_MOUNT}/{TEST_PACKAGES_SUBDIR}/{directory.name}"
+        self.put_tree(directory, remote, skip_dirs=frozenset({"__pycache__"}), gzip_level=6)
+        note = f"{plan.note}; with {wanted} (installed from PyPI by the service, copied in)"
+        return dataclasses.replace(plan, env={**plan.env, "T1JAX_TEST_PACKAGES": remote}, note=note)
 
     def _kill_agent(self) -> None:
         self._checked_run(kill_agent_script(), TRANSPORT_GRACE_SEC, "stop the agent's processes")

@@ -355,3 +355,28 @@ def test_missing_toolchain_fails_before_any_pod(kube, tmp_path):
     with pytest.raises(BackendError, match="no verifier toolchain"):
         broken.create(write_hello_task(tmp_path), run_id="run-1")
     assert server.requests == []
+
+
+def test_verify_provides_the_test_packages_the_replaced_script_would_install(kube, tmp_path):
+    """A test script that downloads (`uvx --with tomlkit==0.13.2 pytest ...`) is replaced by the pinned
+    pytest; the package it would have installed is installed by the service for the Pod's own
+    python3 and copied in, as the local and container backends provide it."""
+    import shutil
+
+    _, backend = kube
+    task_dir = shutil.copytree(EXAMPLE_TASKS / "harbor" / "hello-world", tmp_path / "task")
+    (task_dir / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nuvx --with tomlkit==0.13.2 pytest /tests/test_outputs.py -rA\n"
+    )
+    with open(task_dir / "tests" / "test_outputs.py", "a") as tests:
+        tests.write("\n\ndef test_the_tests_own_dependency():\n    import tomlkit\n\n"
+                    "    assert tomlkit.__version__ == '0.13.2'\n")  # fmt: skip
+    task = load_task(task_dir)
+    sandbox = backend.create(task, run_id="run-packages")
+    try:
+        assert sandbox.exec(task.solution_script.read_text(), 60).exit_code == 0
+        report = sandbox.verify()
+    finally:
+        sandbox.close()
+    assert report.parsed and (report.passed, report.total) == (3, 3), report.detail
+    assert "with tomlkit==0.13.2 (installed from PyPI by the service, copied in)" in report.detail
