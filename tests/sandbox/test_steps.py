@@ -303,3 +303,31 @@ def test_check_tasks_judges_multi_step_tasks_and_reports_each_step(backend, tmp_
     assert layered["solution"]["reward"] == 1.0 and layered["noop"]["reward"] == 0.0
     gated = audits["multi-step-own-tests"]
     assert len(gated.noop.steps) == 1 and gated.noop.score() == "0/2"  # stopped at the gate
+
+
+@pytest.mark.sandbox
+def test_pids_stay_aligned_for_the_verifier_after_a_steps_verification(backend):
+    """Local backend: the verifier's pid namespace is the agent's parent and both allocate in step;
+    the first step's verifier took pids of the outer namespace only, so they are realigned: a
+    process the agent starts in the next step has the same pid in both (what a pid file names)."""
+    task = load_task(LAYERED)
+    sandbox = backend.create(task)
+    try:
+        before = sandbox.exec("sleep 771 > /dev/null 2>&1 & echo $!", 30).stdout.strip()
+        sandbox.verify()
+        after = sandbox.exec("sleep 772 > /dev/null 2>&1 & echo $!", 30).stdout.strip()
+        views = {}
+        for pid in sandbox.cgroups.members():
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            if command.startswith(b"sleep\x0077"):
+                nspid = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
+                views[command.split(b"\x00")[1].decode()] = nspid
+    finally:
+        sandbox.close()
+    for name, pid in (("771", before), ("772", after)):
+        host, outer, inner = views[name]
+        assert outer == inner == pid, (name, views[name])
