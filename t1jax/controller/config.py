@@ -240,6 +240,9 @@ class LoggingSection:
     tensorboard: bool = True
     trajectories: bool = True  # each step's trajectories (ids and text, gzip JSON lines)
     display: bool = True  # the live rich display (off when not a terminal)
+    # {project, mode: online | offline | disabled}: the metrics to Weights & Biases too
+    # (t1jax.runtime.wandb_log)
+    wandb: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -200,6 +200,7 @@ class Controller:
             log.warning("no state checkpoint in %s: the run starts from its first step", self.run_dir.path)
             self.run_dir.truncate_after(0)
         self.run_dir.open_tensorboard(purge_step=self.completed_step + 1 if self.resume else None)
+        self.run_dir.open_wandb(self.config.logging.wandb, self.run_dir.config(), self.resume)
         self._closers.append(self.run_dir.close)
         self._start_liveness()
 
@@ -527,7 +528,13 @@ class Controller:
         self.run_dir.log_step(step, metrics)
         if self.config.logging.trajectories:
             decode = self.tokenizer.decode
-            records = [{**trial_summary(t), "trajectory": trajectory_json(t, decode)} for t in collected.all]
+            from t1jax.harbor.atif import trajectory_record
+            from t1jax.harbor.records import t1jax_version
+
+            model = {"name": self.run_dir.path.name}
+            agent = {"name": "t1jax", "version": t1jax_version(), "model_info": model}
+            records = [{**trial_summary(t), "trajectory": trajectory_json(t, decode),
+                        "atif": trajectory_record(t, decode, agent)} for t in collected.all]  # fmt: skip
             self.run_dir.write_trajectories(step, records)
         times = {k.split("/")[1][:-4]: v for k, v in metrics.items() if k.startswith("time/")}
         self.display.refresh(times=times)

@@ -4,9 +4,12 @@ else).
     RUN/config.yaml            the resolved run config (every default filled in); --resume reads it
     RUN/metrics.jsonl          one JSON object per step (`step` first), flat `name -> number`
     RUN/events/                TensorBoard event files of the same scalars (tensorboardX)
+    RUN/wandb/                 the wandb run of the same scalars, when `logging.wandb.mode` is not
+                               disabled (`t1jax.runtime.wandb_log`)
     RUN/launches.jsonl         per step: the pool draws launched; the draw of each trial admitted,
                                cancelled, failed (a draw once per trial of its group)
-    RUN/trajectories/step_<n>.jsonl.gz   each trial of the step: fate, reward, trajectory (ids, text)
+    RUN/trajectories/step_<n>.jsonl.gz   each trial of the step: fate, reward, trajectory (ids, text),
+                               and `atif`: the same as Harbor's ATIF (`t1jax.harbor.atif`)
     RUN/checkpoints/state/     full resumable states (orbax; `t1jax.controller.checkpoints`)
     RUN/checkpoints/weights/<step>/{actor,critic}   weights only, HF safetensors (t1jax eval loads them)
     RUN/status.json            running / finished / failed / interrupted, with the error if any
@@ -48,6 +51,7 @@ class RunDir:
         self.checkpoints = self.path / "checkpoints"
         self.status_path = self.path / "status.json"
         self._writer = None
+        self._wandb = None
 
     # ---- creation and resume -----------------------------------------------------------------
 
@@ -99,6 +103,8 @@ class RunDir:
     def log_step(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, "time": time.time(), **{k: _number(v) for k, v in sorted(metrics.items())}}
         _append(self.metrics_path, record)
+        if self._wandb is not None:
+            self._wandb.log(step, metrics)
         if self._writer is not None:
             for name, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
@@ -122,10 +128,20 @@ class RunDir:
             self.status_path, json.dumps({"state": state, "time": time.time(), **details}, indent=2) + "\n"
         )
 
+    def open_wandb(self, settings: Mapping[str, Any] | None, config: Mapping[str, Any], resume: bool) -> None:
+        """The wandb run beside TensorBoard (`logging.wandb`; nothing when disabled)."""
+        from t1jax.runtime.wandb_log import WandbLog, WandbSettings
+
+        wandb = WandbSettings.from_mapping(settings)
+        self._wandb = WandbLog.open(wandb, self.path, self.path.name, config, resume)
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def status_error(error: BaseException) -> str:
