@@ -6,7 +6,7 @@
 Scheduler. One thread owns the devices. Callers' `generate` enqueues requests and blocks; the
 thread loops: apply aborts; at a publication barrier stop admitting, and swap weights once no
 slot is busy; admit waiting requests into free slots (restoring any cached prefix in one device
-call); run one prefill window for every slot still prefilling; run one decode round of up to
+call); run one packed prefill step for the slots still prefilling; run one decode round of up to
 `decode_steps` tokens for every decoding slot; deliver finished requests. So requests that
 arrive while others decode join them between rounds.
 
