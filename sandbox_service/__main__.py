@@ -225,11 +225,9 @@ def cmd_stand_ins(args: argparse.Namespace) -> int:
         built = store.build(recipe, log=lambda text: print(text, flush=True))
         if args.import_into_podman:
             if backend is None:
-                from sandbox_service.backends.podman import PodmanBackend, PodmanConfig
-
-                backend = PodmanBackend(
-                    PodmanConfig(cache_dir=args.cache_dir, stand_in_dir=args.stand_in_dir, pull="never")
-                )
+                settings = ProviderSettings(backend="container", cache_dir=args.cache_dir,
+                                            stand_in_dir=args.stand_in_dir, pull="never")  # fmt: skip
+                backend = open_provider(settings)
             backend.resolve_base(image)
         print(
             f"{image}: {recipe.image_tag} ready ({built.tarball.name}, {time.monotonic() - started:.0f} s)",

@@ -24,8 +24,9 @@ class ProviderSettings:
     """Which sandbox backend to open and its options.
 
     `cache_dir`: built environments, stand-in images and sandbox state (`reap` finds leftovers
-    there). `toolchain_dir`: the pinned verifier toolchain (`python -m sandbox_service.verifier
-    --setup`); None is `<cache_dir>/<DEFAULT_TOOLCHAIN_SUBDIR>`. `allow_internet`: local and
+    there); `stand_in_dir`: the stand-in base roots (None: the user's shared store).
+    `toolchain_dir`: the pinned verifier toolchain (`python -m sandbox_service.verifier --setup`);
+    None is `<cache_dir>/<DEFAULT_TOOLCHAIN_SUBDIR>`. `allow_internet`: local and
     container let tasks that allow the network reach it. `pull`: the container backend's base
     images (auto / never / always). `namespace`, `image_registry`, `runtime_class`: kubernetes.
     `modal_app`: modal."""
@@ -39,6 +40,7 @@ class ProviderSettings:
     image_registry: str | None = None
     runtime_class: str | None = None
     modal_app: str = "t1jax-sandboxes"
+    stand_in_dir: Path | None = None
 
     def toolchain(self) -> Path:
         from sandbox_service.verifier import DEFAULT_TOOLCHAIN_SUBDIR

@@ -35,7 +35,7 @@ BAD_INPUT = [
      "--pipeline takes comma-separated"),
     ((*T1JAX, "plan", "--config", TINY), "give --devices (or --plan)"),
     ((*T1JAX, "plan", "--config", "no/such.yaml", "--devices", "8"), "no/such.yaml"),
-    ((*T1JAX, "eval"), "the following arguments are required: --tasks"),
+    ((*T1JAX, "eval"), "--tasks DIR is needed"),
     ((*T1JAX, "eval", "--tasks", "no/such", "--agent", "nop"), "--tasks no/such is not a directory"),
     ((*T1JAX, "eval", "--tasks", "tests/data/tasks", "--checkpoint", "no/such"),
      "checkpoint no/such does not exist"),

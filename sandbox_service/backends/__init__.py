@@ -30,7 +30,7 @@ DEFAULT_BACKEND = "local"
 
 def _local_options(settings) -> dict[str, Any]:
     return {"cache_dir": settings.cache_dir, "toolchain_dir": settings.toolchain(),
-            "allow_internet": settings.allow_internet}  # fmt: skip
+            "allow_internet": settings.allow_internet, "stand_in_dir": settings.stand_in_dir}  # fmt: skip
 
 
 def _container_options(settings) -> dict[str, Any]:
