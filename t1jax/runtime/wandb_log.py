@@ -134,18 +134,31 @@ def _log_records(data: bytes):
             position = (start // _BLOCK + 1) * _BLOCK
 
 
-def read_offline_history(run_dir: Path) -> list[dict[str, Any]]:
+def read_offline_history(run_dir: Path, wait_sec: float = 60.0) -> list[dict[str, Any]]:
     """Every history row wandb wrote for the run directory's offline runs: `{"_step": n, name:
-    value, ...}` as wandb recorded them, parsed with wandb's own record protobuf."""
+    value, ...}` as wandb recorded them, parsed with wandb's own record protobuf. wandb's service
+    process writes the log after `finish()` returns, so each log is read once it holds its run's
+    `exit` record (its last), waiting up to `wait_sec` (TimeoutError naming the file)."""
     import json
+    import time
 
     from wandb.proto import wandb_internal_pb2
 
     rows = []
     for path in offline_run_files(run_dir):
-        for data in _log_records(path.read_bytes()):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(data)
+        deadline = time.monotonic() + wait_sec
+        while True:
+            records = []
+            for data in _log_records(path.read_bytes()):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(data)
+                records.append(record)
+            if any(r.WhichOneof("record_type") == "exit" for r in records):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path}: no exit record after {wait_sec:g} s (the run is not finished)")
+            time.sleep(0.2)
+        for record in records:
             if record.WhichOneof("record_type") == "history":
                 row = {}
                 for item in record.history.item:
