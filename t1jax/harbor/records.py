@@ -300,3 +300,6 @@ def job_config(*, job_dir: Path, tasks_dir: str, attempts: int, agent: str, chec
 # The JobResult fields that are facts of one run (its identity and wall clock), not of its
 # results: a resumed job reproduces everything else in result.json exactly.
 RUN_FIELDS = ("id", "started_at", "updated_at", "finished_at")
+# ... and the stats that count tokens: a trial's prompts hold terminal output, whose length
+# depends on timing (how far a command got when the screen was read)
+RUN_STATS_FIELDS = ("n_input_tokens", "n_cache_tokens", "n_output_tokens", "cost_usd")

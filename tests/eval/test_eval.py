@@ -209,10 +209,11 @@ def test_a_killed_eval_resumes_to_the_same_result(tmp_path, stop):
     assert 4 <= len(finished_before) < 3 * N_TASKS and not (job / "result.json").exists()
     resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=os.environ)
     assert resumed.returncode == 0, resumed.stderr
-    from t1jax.harbor.records import RUN_FIELDS
+    from t1jax.harbor.records import RUN_FIELDS, RUN_STATS_FIELDS
 
-    def results_of(job_result):  # without the facts of one run (its id and clock)
-        return {k: v for k, v in job_result.items() if k not in RUN_FIELDS}
+    def results_of(job_result):  # without the facts of one run (its id, clock and token counts)
+        stats = {k: v for k, v in job_result["stats"].items() if k not in RUN_STATS_FIELDS}
+        return {**{k: v for k, v in job_result.items() if k not in RUN_FIELDS}, "stats": stats}
 
     assert results_of(json.loads((job / "result.json").read_text())) == results_of(reference)
     assert json.loads((job / "timing.json").read_text())["trials_run"] == 3 * N_TASKS - len(finished_before)
