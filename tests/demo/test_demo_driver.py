@@ -175,8 +175,11 @@ def test_a_second_seed_moves_every_training_and_eval_seed_but_not_the_suites(tmp
     assert int(flag(second["base"], "--seed")) == int(flag(first["base"], "--seed")) + 1
     for name in ("demonstrations", "sft"):  # the demonstrations' mistakes and the SFT order
         assert flag(first[name], "--seed") is None and flag(second[name], "--seed") == "1"
-    for name in ("warmup", "rl"):
-        assert "run.seed=1" in second[name] and not any("run.seed" in p for p in first[name])
+    from t1jax.controller.config import load_run_config
+
+    for name in ("warmup", "rl"):  # each stage's own seed, offset
+        own = load_run_config(DEMO_CONFIGS / f"{name}.yaml").run.seed
+        assert f"run.seed={own + 1}" in second[name] and not any("run.seed" in p for p in first[name])
     for name in ("eval sft greedy", "eval rl sampled"):
         assert int(flag(second[name], "--seed")) == int(flag(first[name], "--seed")) + 1
 
