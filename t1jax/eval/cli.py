@@ -361,7 +361,7 @@ def build_agent(settings, args) -> Agent:
         from t1jax.eval.rescore import Replay
 
         if settings.checkpoint:  # the ids replayed are that model's tokens: its tokenizer glues them
-            from t1jax.eval.checkpoint import load_policy
+            from t1jax.checkpoints import load_policy
 
             _, tokenizer, _ = load_policy(settings.checkpoint, settings.dtype)
         else:
