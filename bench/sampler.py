@@ -191,7 +191,8 @@ def agent_case(model, hf, device):
         engine_prefill = min(best_of(lambda: served(engine, prompts, 1), 1), engine_total)
     print(
         f"  jax engine: {engine_total:.2f} s end to end, {engine_prefill:.2f} s to the first token "
-        f"({calls.get('prefill', 0)} prefill calls of {calls.get('prefill_windows', 0)} windows, "
+        f"({calls.get('prefill', 0)} prefill calls, {calls.get('prefill_windows', 0)} window steps of "
+        f"{engine.config.prefill_rows} rows in all, "
         f"{calls.get('restore', 0)} row resets, for the {len(prompts)} requests' first token)"
     )
 
