@@ -34,7 +34,7 @@ CORPUS_STAND_INS := golang:1.24-bookworm eclipse-temurin:21-jdk gcc:14 buildpack
 setup: setup-system
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e ".[ref,k8s,modal,dev]"
+	$(PY) -m pip install -e ".[ref,k8s,modal,wandb,dev]"
 	$(PY) -m sandbox_service.verifier --setup
 	$(PY) -m sandbox_service stand-ins --import $(DEFAULT_STAND_INS)
 

@@ -984,7 +984,8 @@ class Demo:
                     "ci95": result.get("resolved_rate_ci95"),
                     "pass_at_k": result["pass_at_k"],
                     "mean_test_fraction": result["mean_test_fraction"],
-                    "n_trials": result["n_total_trials"],
+                    # the trials counted (skipped ones left out); a format-1 job has only the total
+                    "n_trials": result.get("n_trials", result["n_total_trials"]),
                     "n_errors": result["n_errors"],
                     # absent from evaluations written before t1jax eval counted them
                     "mean_action_turns": result.get("mean_action_turns"),
