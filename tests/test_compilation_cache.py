@@ -52,7 +52,8 @@ def test_a_file_where_the_directory_should_be_is_one_line_and_exit_2(tmp_path):
     )  # fmt: skip
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"t1jax tasks: error: {compilation_cache.ENV}={blocker}: not a directory (give a directory, or `off`)"
+        f"t1jax tasks generate: error: {compilation_cache.ENV}={blocker}: not a directory "
+        "(give a directory, or `off`)"
     ]
     assert not (tmp_path / "t").exists()
 
