@@ -195,11 +195,17 @@ def session_members(session_id: int) -> list[int]:
 
 def kill_session(session_id: int, *, rounds: int = 20) -> None:
     """SIGKILL every process in the session led by `session_id` (repeats to catch late forks)."""
+    _kill_until_gone(lambda: session_members(session_id), rounds)
+
+
+def _kill_until_gone(members, rounds: int) -> None:
+    """SIGKILL what `members()` lists, again and again (a member may fork between the listing and
+    its kill), until it lists none or `rounds` listings have passed."""
     for _ in range(rounds):
-        members = session_members(session_id)
-        if not members:
+        pids = members()
+        if not pids:
             return
-        for pid in members:
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -210,8 +216,9 @@ def kill_session(session_id: int, *, rounds: int = 20) -> None:
 def kill_namespace_members(namespace: str, *, rounds: int = 20) -> None:
     """SIGKILL every process whose own pid namespace is `namespace` (a `pid:[inode]` link text) but
     its init: the processes of that namespace that are in none of its child namespaces."""
-    for _ in range(rounds):
-        members = []
+
+    def members() -> list[int]:
+        found = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -223,15 +230,10 @@ def kill_namespace_members(namespace: str, *, rounds: int = 20) -> None:
             except (OSError, StopIteration):
                 continue
             if nspid and nspid[-1] != "1":
-                members.append(int(entry))
-        if not members:
-            return
-        for pid in members:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.005)
+                found.append(int(entry))
+        return found
+
+    _kill_until_gone(members, rounds)
 
 
 def kill_if_same(pid: int | None, start_time: int | None) -> bool:
