@@ -2,8 +2,9 @@
 
 `run_trial(task, sandbox, sampler, tokenizer, config, trial_id=..., sampling=...)` drives a
 model through a task and returns a `Trajectory`; it never raises (model output, binary terminal
-output, sampler or sandbox failures all end in a status and a detail) and never verifies or
-closes the sandbox (the caller does both: `verify_trial`, then `sandbox.close()`).
+output, sampler or sandbox failures all end in a status and a detail) and never closes the
+sandbox. It verifies only a multi-step task (at each step boundary, below); a one-step task's
+caller verifies (`verify_trial`), then closes (`sandbox.close()`).
 
 The loop (paper §6.1):
 - The prompt is the pinned chat template (`chat_template`): a system prompt with the tools, then
@@ -25,6 +26,23 @@ assistant message (`<|im_end|>` only when the sampler stopped without it), the t
 the next generation prompt. The sampled completion is never decoded and re-encoded into the
 history, so every boundary is an exact prefix (Box 4.2 Case 6) and `Turn.glue_start` records
 where the glue begins.
+
+Multi-step tasks (Harbor `[[steps]]`, `sandbox_service.steps`): the trial is one conversation
+in one sandbox, as Harbor's multi-step trial with `agent.resume_trajectory` runs it. Before each
+step the step's `workdir/` files and `setup.sh` are put in place (`steps.setup_commands`; a failed
+setup ends the trial, as in Harbor); the model reads the step's instruction under a
+`[step i of n: name]` header (`prompts.step_instruction`), the first step's in the first prompt
+and each later step's as a new user turn glued after the previous step's last turn
+(`prompts.next_step_message`), so token-in holds across step boundaries. A step ends when its
+agent phase does (task_complete, its own `max_turns`, its own agent deadline, a full context);
+the harness then verifies it (`Sandbox.verify`) and keeps the result (`Trajectory.step_reports`),
+and goes on unless `steps.stops_after` says the trial ends (no verifier result, a reward below
+the step's `min_reward`, the last step) or the context is full. `max_turns` and the agent
+deadline (the step's, or the config's if shorter) apply to each step. The trial's
+`verifier_report` is `steps.combined_report` over the steps verified: its reward is Harbor's
+(`multi_step_reward_strategy`: the mean over the verified steps, or the final step's), its
+binary outcome passes only when every step ran and passed. A one-step task runs exactly as
+before: no header, no verification by the harness.
 
 Context compaction (paper §6.1, §9.2): the budget always keeps room for a summary. An action
 turn may generate at most `context_window - prompt - reserve` tokens, where the reserve holds the
@@ -52,6 +70,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from sandbox_service.contracts import FailureCause, Sandbox, SandboxDeadlineExpired, Task, VerifierReport
+from sandbox_service.steps import (
+    combined_report,
+    setup_commands,
+    step_name,
+    step_rewards,
+    step_view,
+    stops_after,
+)
 from t1jax.agent import prompts
 from t1jax.agent.chat_template import (
     IM_END,
@@ -76,6 +102,7 @@ from t1jax.tito.types import (
     CompactionEvent,
     CompactionFailure,
     Segment,
+    StepReport,
     Trajectory,
     TrialCause,
     TrialStats,
@@ -285,7 +312,10 @@ class ResumableTrial:
 
 def verify_trial(trajectory: Trajectory, sandbox: Sandbox) -> Trajectory:
     """Run the task's verifier and attach its report. Never raises: a sandbox failure becomes an
-    unparsed report with `FailureCause.SANDBOX_ERROR`. The caller still closes the sandbox."""
+    unparsed report with `FailureCause.SANDBOX_ERROR`. The caller still closes the sandbox. A
+    multi-step task's trajectory is returned as it is: the harness verified its steps."""
+    if sandbox.task.steps:
+        return trajectory
     started = time.monotonic()
     try:
         report = sandbox.verify()
@@ -312,11 +342,22 @@ class _Trial:
         self._loop_state: tuple[np.ndarray, int, bool] | None = None  # (prompt, glue_start, confirm)
         self.started_at = time.time()
         self.started = time.monotonic()
-        timeout = task.limits.agent_timeout_sec
-        if config.agent_timeout_sec is not None:
-            timeout = min(timeout, config.agent_timeout_sec)
-        self.deadline = self.started + timeout
-        self.timeout = timeout
+        self._start_clock(task.limits.agent_timeout_sec, since=self.started)
+        # A multi-step task's progress (the module docstring); a one-step task stays at step 0.
+        self.step = 0
+        self.step_reports: list[StepReport] = []
+        self.step_first_action = 0  # stats.action_turns when the current step began
+        self.step_first_turn = 0  # turns generated before the current step began
+        self.step_started_at = self.started_at
+        self.step_started = self.started
+        self.steps_begun = False  # the first step's setup ran
+        self.verify_sec = 0.0
+        self.shell_workdir: str | None = None
+        self.instruction = task.instruction
+        if task.steps:
+            self.instruction = prompts.step_instruction(
+                step_view(task, 0).instruction, 0, len(task.steps), step_name(task, 0)
+            )
         self.terminal: TerminalDriver = (
             TmuxTerminal(sandbox, config.max_output_bytes)
             if config.terminal is TerminalMode.TMUX
@@ -340,7 +381,7 @@ class _Trial:
     def run(self) -> Trajectory:
         cause = TrialCause.NONE
         try:
-            status, detail = self._loop()
+            status, detail = self._steps() if self.task.steps else self._loop()
         except _Paused:
             status, detail = TrialStatus.PAUSED, f"paused after {self.stats.action_turns} action turns"
         except _TrialEnded as ended:
@@ -353,6 +394,9 @@ class _Trial:
     def _trajectory(self, status: TrialStatus, detail: str, cause: TrialCause) -> Trajectory:
         segments = tuple(Segment(index, tuple(turns)) for index, turns in enumerate(self.segments) if turns)
         stats = dataclasses.replace(self.stats, wall_sec=time.monotonic() - self.started)
+        report = None
+        if self.task.steps and status not in (TrialStatus.ERROR, TrialStatus.ABORTED, TrialStatus.PAUSED):
+            report = combined_report(self.task, [step.report for step in self.step_reports])
         return Trajectory(
             trial_id=self.trial_id,
             task_id=self.task.task_id,
@@ -363,11 +407,155 @@ class _Trial:
             compactions=tuple(self.compactions),
             stats=stats,
             started_at=self.started_at,
+            verifier_report=report,
+            verify_sec=self.verify_sec,
+            step_reports=tuple(self.step_reports),
         )
+
+    # ---- multi-step tasks ------------------------------------------------------------------
+
+    def _steps(self) -> tuple[TrialStatus, str]:
+        """A multi-step task's trial: each step's agent phase (`_loop`), then its verification,
+        then the next step's setup and instruction, until `stops_after` (module docstring)."""
+        if not self.steps_begun:
+            self.steps_begun = True
+            failed = self._setup_step(0)
+            if failed is not None:
+                raise _TrialEnded(TrialStatus.ERROR, failed, TrialCause.SANDBOX_ERROR)
+        while True:
+            try:
+                status, detail = self._loop()
+            except _TrialEnded as ended:
+                if ended.status is not TrialStatus.AGENT_TIMEOUT:
+                    raise
+                status, detail = ended.status, ended.detail
+            step = self._verify_step(status, detail)
+            label = f"step {step.name} ({step.index + 1} of {len(self.task.steps)})"
+            if stops_after(self.task, self.step, step.report):
+                if step.index + 1 == len(self.task.steps):
+                    return status, detail
+                why = "no verifier result" if step.rewards is None else "its reward is below min_reward"
+                return status, f"{detail}; the trial stopped after {label}: {why}"
+            if status is TrialStatus.CONTEXT_EXHAUSTED:
+                return status, f"{detail}; the trial stopped after {label}"
+            failed = self._setup_step(self.step + 1)
+            if failed is not None:
+                return status, f"{detail}; the trial stopped after {label}: {failed}"
+            if not self._open_step(self.step + 1):
+                return TrialStatus.CONTEXT_EXHAUSTED, (
+                    f"no room left in the context window for the instruction of the step after {label}"
+                )
+
+    def _verify_step(self, status: TrialStatus, detail: str) -> StepReport:
+        """Verify the current step (its agent phase ended with `status`) and record it."""
+        if self.cancel_event.is_set():
+            raise _TrialEnded(TrialStatus.ABORTED, "cancelled by the caller", TrialCause.CANCELLED)
+        agent_sec = time.monotonic() - self.step_started
+        started, failure = time.monotonic(), ""
+        try:
+            report = self.sandbox.verify()
+        except SandboxDeadlineExpired as error:
+            failure = "total_deadline" if error.deadline == "total" else "verify_error"
+            report = _unparsed_report(f"verify raised {type(error).__name__}: {error}")
+        except Exception as error:
+            if self.cancel_event.is_set():  # the caller closed the sandbox under the verifier
+                raise _TrialEnded(
+                    TrialStatus.ABORTED, "cancelled by the caller", TrialCause.CANCELLED
+                ) from None
+            failure = "verify_error"
+            report = _unparsed_report(f"verify raised {type(error).__name__}: {error}")
+        if report.failure_cause is FailureCause.SANDBOX_ERROR:
+            failure = failure or "verify_error"
+        elapsed = time.monotonic() - started
+        self.verify_sec += elapsed
+        step = StepReport(
+            index=self.step,
+            name=step_name(self.task, self.step),
+            report=report,
+            rewards=step_rewards(report),
+            agent_status=status,
+            agent_detail=detail,
+            first_turn=self.step_first_turn,
+            action_turns=self.stats.action_turns - self.step_first_action,
+            agent_sec=agent_sec,
+            verify_sec=elapsed,
+            started_at=self.step_started_at,
+            failure=failure,
+        )
+        self.step_reports.append(step)
+        return step
+
+    def _setup_step(self, index: int) -> str | None:
+        """Put step `index`'s workdir files in place and run its setup.sh (Harbor does this
+        before the step's agent); the reason it failed, or None."""
+        self.step_started_at, self.step_started = time.time(), time.monotonic()
+        spec = self.task.steps[index]
+        if spec.workdir_dir is None or not spec.workdir_dir.is_dir():
+            return None
+        timeout = step_view(self.task, index).limits.agent_timeout_sec
+        try:
+            if self.shell_workdir is None:  # Harbor puts the files in the shell's start directory
+                self.shell_workdir = self.sandbox.exec("pwd", timeout).stdout.strip() or "/"
+            for line in setup_commands(self.task, index, workdir=self.shell_workdir):
+                result = self.sandbox.exec(line, timeout)
+                if result.timed_out or result.exit_code != 0:
+                    why = "timed out" if result.timed_out else f"exited {result.exit_code}"
+                    tail = (result.stderr or result.stdout).strip()[-300:]
+                    return f"step {spec.name}'s setup {why}: {tail}"
+        except SandboxDeadlineExpired as expired:
+            return f"step {spec.name}'s setup: sandbox: {expired}"
+        except Exception as error:
+            if self.cancel_event.is_set():
+                raise _TrialEnded(
+                    TrialStatus.ABORTED, "cancelled by the caller", TrialCause.CANCELLED
+                ) from None
+            raise _TrialEnded(
+                TrialStatus.ERROR,
+                f"sandbox failed running step {spec.name}'s setup: {type(error).__name__}: {error}",
+                TrialCause.SANDBOX_ERROR,
+            ) from None
+        return None
+
+    def _open_step(self, index: int) -> bool:
+        """Make step `index` current: its deadline and turn count, and the next prompt with its
+        instruction as a new user turn after the last turn's completion (False: no room)."""
+        self.step = index
+        view = step_view(self.task, index)
+        self.instruction = prompts.step_instruction(
+            view.instruction, index, len(self.task.steps), step_name(self.task, index)
+        )
+        self._start_clock(view.limits.agent_timeout_sec, since=self.step_started)
+        self.step_first_action = self.stats.action_turns
+        self.step_first_turn = sum(len(segment) for segment in self.segments)
+        text = prompts.next_step_message(self.instruction)
+        if self.config.budget_note:
+            text = text.rstrip("\n") + "\n\n" + self._budget_note()
+        message = Message("user", text)
+        assert self._loop_state is not None
+        prompt, glue_start, _ = self._loop_state
+        turn = self.segments[-1][-1] if self.segments[-1] else None
+        if turn is None or len(prompt) > len(turn.prompt_ids):
+            # The step ended after its last observation was glued, or a compaction (its deadline
+            # passed before the next turn): the new user turn goes before the generation prompt.
+            generation = self.tokenizer.encode_pieces(generation_prompt_pieces())
+            if not np.array_equal(prompt[-len(generation) :], generation):
+                raise RuntimeError("the glued prompt does not end with the generation prompt")
+            tail = self.tokenizer.encode_pieces(render_message_pieces(message) + generation_prompt_pieces())
+            next_prompt = np.concatenate([prompt[: -len(generation)], tail]).astype(np.int32)
+            if self._action_budget(len(next_prompt)) < self.config.min_turn_tokens:
+                return False
+            self._loop_state = (next_prompt, glue_start, False)
+            return True
+        base = np.concatenate([turn.prompt_ids, turn.completion_ids]).astype(np.int32)
+        continued = self._continue(base, turn.completion_ids, message)
+        if continued is None:
+            return False
+        self._loop_state = (*continued, False)
+        return True
 
     def _loop(self) -> tuple[TrialStatus, str]:
         if self._loop_state is None:
-            instruction = self.task.instruction
+            instruction = self.instruction
             if self.config.budget_note:
                 instruction = instruction.rstrip("\n") + "\n\n" + self._budget_note()
             prompt = self._encode_messages(
@@ -380,7 +568,7 @@ class _Trial:
             self._check_time()
             if self.pause_event.is_set():
                 raise _Paused()
-            if self.stats.action_turns >= self.config.max_turns:
+            if self._step_action_turns() >= self.config.max_turns:
                 return TrialStatus.MAX_TURNS, f"reached max_turns = {self.config.max_turns}"
             max_new = self._action_budget(len(prompt))
             if max_new < self.config.min_turn_tokens:
@@ -397,29 +585,36 @@ class _Trial:
             if done:  # a confirmation is pending only where the profile asks for one
                 detail = "task_complete confirmed" if confirm_pending else "task_complete"
                 return TrialStatus.COMPLETED, detail
-            if self.stats.action_turns >= self.config.max_turns:  # no glue, no summary for nothing
+            if self._step_action_turns() >= self.config.max_turns:  # no glue, no summary for nothing
                 return TrialStatus.MAX_TURNS, f"reached max_turns = {self.config.max_turns}"
             if self.config.budget_note:
                 observation = self._with_budget_note(observation)
             confirm_pending = reply.ok and reply.task_complete
             base = np.concatenate([turn.prompt_ids, turn.completion_ids]).astype(np.int32)
-            fitted = self._fit_observation(base, turn.completion_ids, observation)
-            if fitted is None:
+            continued = self._continue(base, turn.completion_ids, observation)
+            if continued is None:
                 return (
                     TrialStatus.CONTEXT_EXHAUSTED,
                     "no room left in the context window for the next observation",
                 )
-            glue, observation = fitted
-            next_prompt = np.concatenate([base, glue]).astype(np.int32)
-            if (
-                self._action_budget(len(next_prompt)) >= self.config.min_turn_tokens
-                or not self._can_compact()
-            ):
-                prompt, glue_start = next_prompt, len(base)
-                continue
-            prompt = self._compact(base, turn.completion_ids, observation)
-            glue_start = 0
-            confirm_pending = False
+            prompt, glue_start = continued
+            if glue_start == 0:  # compacted: a new segment
+                confirm_pending = False
+
+    def _continue(
+        self, base: np.ndarray, completion_ids: np.ndarray, observation: Message
+    ) -> tuple[np.ndarray, int] | None:
+        """The next prompt and its glue start after a turn (`base` = its prompt + completion)
+        answered by `observation`: glued on, or compacted into a new segment (glue start 0) when
+        the next action turn would not have room; None when the observation cannot fit."""
+        fitted = self._fit_observation(base, completion_ids, observation)
+        if fitted is None:
+            return None
+        glue, observation = fitted
+        next_prompt = np.concatenate([base, glue]).astype(np.int32)
+        if self._action_budget(len(next_prompt)) >= self.config.min_turn_tokens or not self._can_compact():
+            return next_prompt, len(base)
+        return self._compact(base, completion_ids, observation), 0
 
     # ---- budgets ---------------------------------------------------------------------------
 
@@ -441,7 +636,7 @@ class _Trial:
     def _budget_note(self) -> str:
         return self.config.budget_note_format.format(
             time_left=max(self._remaining_sec(), 0.0), time_total=self.timeout,
-            turns_left=self.config.max_turns - self.stats.action_turns, turns_total=self.config.max_turns,
+            turns_left=self.config.max_turns - self._step_action_turns(), turns_total=self.config.max_turns,
         )  # fmt: skip
 
     def _with_budget_note(self, observation: Message) -> Message:
@@ -452,6 +647,18 @@ class _Trial:
             *head, last = observation.responses
             return Message("tool", responses=(*head, last.rstrip("\n") + "\n" + note))
         return Message(observation.role, observation.content.rstrip("\n") + "\n" + note)
+
+    def _start_clock(self, task_timeout_sec: float, since: float | None = None) -> None:
+        """The agent deadline of the current step (of the trial, for a one-step task): the task's
+        (step's) own, or the config's if shorter, from `since` (now)."""
+        timeout = task_timeout_sec
+        if self.config.agent_timeout_sec is not None:
+            timeout = min(timeout, self.config.agent_timeout_sec)
+        self.deadline = (time.monotonic() if since is None else since) + timeout
+        self.timeout = timeout
+
+    def _step_action_turns(self) -> int:
+        return self.stats.action_turns - self.step_first_action
 
     def _remaining_sec(self) -> float:
         return self.deadline - time.monotonic()
@@ -802,7 +1009,7 @@ class _Trial:
         for kept_summary, kept_chars, kept_recent in candidates:
             prompt = self._encode_messages(
                 prompts.compacted_messages(
-                    self.task.instruction,
+                    self.instruction,
                     self.workdir,
                     kept_summary,
                     note,
@@ -813,3 +1020,13 @@ class _Trial:
             if self._action_budget(len(prompt)) >= self.config.min_turn_tokens:
                 return prompt, kept_chars, len(kept_recent)
         return None, 0, 0
+
+
+def _unparsed_report(detail: str) -> VerifierReport:
+    return VerifierReport(
+        assertions=(),
+        parsed=False,
+        failure_cause=FailureCause.SANDBOX_ERROR,
+        binary_outcome=None,
+        detail=detail,
+    )

@@ -5,6 +5,12 @@ Kept in one place so the prompt is pinned (one version per trial, reproducible) 
 prompt_profile`): `full` (default, Terminus-style, ~1100 tokens of the project BPE) and `compact`
 (~40 tokens: no tool schemas, for tiny models trained from scratch on short contexts), and
 `compact-once`: compact, and the first `task_complete` ends the trial (no confirmation round).
+
+A multi-step task's instruction for step i is `step_instruction(...)`: a header
+`[step i+1 of n: name]` (`STEP_HEADER`, the one marker a scripted policy may look for) and the
+step's own instruction; from the second step on it is a new user turn (`next_step_message`) in
+the same conversation, saying that the previous step is over and that its work stays in place.
+A one-step task's instruction is shown as it is, with no header.
 """
 
 from __future__ import annotations
@@ -104,6 +110,23 @@ PROMPT_PROFILES = {
     "compact": PromptProfile(COMPACT_SYSTEM_PROMPT, ()),
     "compact-once": PromptProfile(COMPACT_ONCE_SYSTEM_PROMPT, (), confirmation=None),
 }
+
+
+STEP_HEADER = "[step {number} of {total}: {name}]"
+STEP_OVER = (
+    "The previous step is over and has been checked (its results are not shown). Everything you did "
+    "stays in the environment: files, and the processes you left running. Here is the next step."
+)
+
+
+def step_instruction(instruction: str, index: int, total: int, name: str) -> str:
+    """Step `index` (0-based) of `total`'s instruction as the model reads it (module docstring)."""
+    return STEP_HEADER.format(number=index + 1, total=total, name=name) + "\n\n" + instruction
+
+
+def next_step_message(step_text: str) -> str:
+    """The user turn that opens a later step: `STEP_OVER`, then `step_instruction(...)`'s text."""
+    return f"{STEP_OVER}\n\n{step_text}"
 
 
 def initial_messages(instruction: str, workdir: str, system_prompt: str = SYSTEM_PROMPT) -> list[Message]:

@@ -12,17 +12,23 @@ no-op none.
   appears in the terminal output, then call `task_complete` and confirm it.
 - `nop`: calls `task_complete` at once and confirms it.
 
+A multi-step task's oracle plays each step as above with the step's reference solution
+(`sandbox_service.steps.step_view`): the step is the last `[step i of n: name]` header in the
+prompt (`prompts.STEP_HEADER`), and only the conversation after it counts.
+
 Invariant: a policy reply depends only on its task and the prompt it is given, so a resumed
 evaluation replays exactly.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 
 from sandbox_service.contracts import Task
 from sandbox_service.solution import solution_commands
+from sandbox_service.steps import step_view
 from t1jax.agent import prompts
 from t1jax.agent.chat_template import render_tool_call_text
 from t1jax.agent.parsing import SHELL, TASK_COMPLETE
@@ -44,9 +50,26 @@ def _complete(note: str) -> str:
     return note + "\n\n" + render_tool_call_text(TASK_COMPLETE, {})
 
 
-def _previous_replies(call: PolicyCall) -> list[str]:
-    """Texts of the assistant turns already in this segment's prompt."""
-    parts = call.prompt_text.split("<|im_start|>assistant\n")[1:-1]  # the last one is the open prompt
+_STEP = re.compile(
+    re.escape(prompts.STEP_HEADER)
+    .replace(r"\{number\}", r"(\d+)")
+    .replace(r"\{total\}", r"\d+")
+    .replace(r"\{name\}", r"[^\]\n]*")
+)
+
+
+def current_step(prompt_text: str) -> tuple[int, str]:
+    """(0-based step, the prompt from that step's header on) of a multi-step task's prompt;
+    (0, the whole prompt) when it has no step header."""
+    matches = list(_STEP.finditer(prompt_text))
+    if not matches:
+        return 0, prompt_text
+    return int(matches[-1].group(1)) - 1, prompt_text[matches[-1].start() :]
+
+
+def _previous_replies(text: str) -> list[str]:
+    """Texts of the assistant turns already in `text` (a prompt, or its current step's part)."""
+    parts = text.split("<|im_start|>assistant\n")[1:-1]  # the last one is the open prompt
     return [part.split("<|im_end|>", 1)[0] for part in parts]
 
 
@@ -82,9 +105,11 @@ def oracle_policy(book: TaskBook, *, max_command_sec: float = 60.0) -> Callable[
     def policy(call: PolicyCall) -> str:
         if prompts.CONFIRM_COMPLETION in call.last_user_text:
             return _complete("The reference solution ran to its end; confirming.")
-        *upload, run = solution_commands(book.task_of(call))
+        task = book.task_of(call)
+        index, text = current_step(call.prompt_text) if task.steps else (0, call.prompt_text)
+        *upload, run = solution_commands(step_view(task, index))
         plan = [_shell(line, 0.1) for line in upload] + [_shell(f"{run}; {_DONE_COMMAND}", wait(0))]
-        sent = sum(reply.count(f"<function={SHELL}>") for reply in _previous_replies(call))
+        sent = sum(reply.count(f"<function={SHELL}>") for reply in _previous_replies(text))
         if sent < len(plan):
             head = "Running the task's reference solution.\n\n"
             budget = call.max_new_tokens - len(head) - 8
@@ -95,7 +120,7 @@ def oracle_policy(book: TaskBook, *, max_command_sec: float = 60.0) -> Callable[
                 batch.append(rendered)
                 size += len(rendered.encode()) + 1
             return head + "\n".join(batch)
-        if DONE_MARKER in call.prompt_text:
+        if DONE_MARKER in text:
             return _complete("The reference solution finished.")
         return "Waiting for the reference solution to finish.\n\n" + _shell("", wait(sent - len(plan) + 1))
 

@@ -20,6 +20,16 @@ Job directory:
     JOB/<task>__attempt-<k>/agent/trajectory.json    ATIF, with the training extension
                                                      (`t1jax.harbor.atif`)
     JOB/<task>__attempt-<k>/verifier/{reward.txt, ctrf.json, report.json, test-stdout.txt}
+    JOB/<task>__attempt-<k>/steps/<step>/verifier/{reward.txt, ctrf.json, report.json, test-stdout.txt}
+                                                 a multi-step task's steps, in Harbor's layout
+
+A multi-step task's trial (Harbor `[[steps]]`; the harness verifies each step) records each step
+in result.json twice: Harbor's `step_results` (its `StepResult`: the step's name, its verifier's
+`rewards`, an `exception_info` when its verification failed, its agent and verifier times) and
+ours, `steps` (the step's agent status and action turns, rewards, tests passed / total,
+resolved). The trial's `reward` is Harbor's for the task's `multi_step_reward_strategy` (the mean
+over the steps verified, a step that never ran counting in none; or the final step's), and
+`resolved` holds only when every step ran and resolved. A one-step trial has neither field.
 
 Harbor reads every one of these files with its own models (`t1jax.harbor.records`, checked by
 tests/harbor). A trial result names its task in `task_name` (Harbor's `task_id` is the task's
@@ -252,6 +262,7 @@ def trial_result(
         "policy_version": trial.policy_version,
         "verifier_report": None if report is None else _report_json(report),
         **environment_fields(environment),
+        **(_steps_fields(task, trajectory) if task.steps else {}),
         "timings": dataclasses.asdict(trial.timings),
     }
     if job is None:
@@ -272,7 +283,54 @@ def trial_result(
             finished_at=time.time() if finished_at is None else finished_at, tokens=tokens,
             config=_harbor_config(trial.spec, settings, environment, job),
         ),
+        **({"step_results": _harbor_step_results(trajectory)} if task.steps else {}),
     }  # fmt: skip
+
+
+def _steps_fields(task: Task, trajectory) -> dict[str, Any]:
+    """Our record of a multi-step trial's steps (the module docstring), in step order."""
+    steps = trajectory.step_reports if trajectory is not None else ()
+    return {"multi_step_reward": task.multi_step_reward, "steps": [
+        {
+            "step": step.name,
+            "agent_status": step.agent_status.value,
+            "action_turns": step.action_turns,
+            "rewards": step.rewards,
+            "resolved": resolved(step.report),
+            "tests_passed": step.report.passed,
+            "tests_total": step.report.total,
+            "failure": step.failure or None,
+            "verifier_report": _report_json(step.report),
+        }
+        for step in steps
+    ]}  # fmt: skip
+
+
+def _harbor_step_results(trajectory) -> list[dict[str, Any]]:
+    """Harbor's `TrialResult.step_results` of a multi-step trial: one `StepResult` a step run."""
+    results = []
+    for step in trajectory.step_reports if trajectory is not None else ():
+        start, agent_end = step.started_at, step.started_at + step.agent_sec
+        verify_end = agent_end + step.verify_sec
+        exception = None
+        if step.failure:
+            exception = {
+                "exception_type": harbor.error_type(step.failure),
+                "exception_message": step.report.detail[:2000],
+                "exception_traceback": "",
+                "occurred_at": harbor.iso(verify_end),
+            }
+        results.append(
+            {
+                "step_name": step.name,
+                "agent_result": None,
+                "verifier_result": None if step.rewards is None else {"rewards": dict(step.rewards)},
+                "exception_info": exception,
+                "agent_execution": {"started_at": harbor.iso(start), "finished_at": harbor.iso(agent_end)},
+                "verifier": {"started_at": harbor.iso(agent_end), "finished_at": harbor.iso(verify_end)},
+            }
+        )
+    return results
 
 
 def environment_fields(environment: EnvironmentAudit | None) -> dict[str, Any]:
@@ -419,6 +477,14 @@ def write_trial(
         # the verifier's console output as the sandbox kept it (its tail; stdout and stderr
         # interleaved, so there is no separate test-stderr.txt)
         (directory / "verifier" / "test-stdout.txt").write_text(report.output_tail)
+    for step in trial.trajectory.step_reports if trial.trajectory is not None else ():
+        verifier = directory / "steps" / step.name / "verifier"  # Harbor's TrialPaths.step_verifier_dir
+        verifier.mkdir(parents=True)
+        if step.rewards is not None:
+            (verifier / "reward.txt").write_text(f"{step.rewards['reward']:g}\n")
+        _write_json(verifier / "ctrf.json", ctrf_json(step.report))
+        _write_json(verifier / "report.json", _report_json(step.report))
+        (verifier / "test-stdout.txt").write_text(step.report.output_tail)
     result = {**trial_result(trial, settings, environment, job), **(annotation or {})}
     _write_json(directory / "result.json", result)
     return result

@@ -739,8 +739,13 @@ class TrialScheduler:
             outcome.update(fate=TrialFate.CANCELLED, detail="cancelled before verification")
             return
         started = time.monotonic()
-        report, failure = self._verify(sandbox)
-        phases["verify"] = time.monotonic() - started
+        if spec.task.steps:  # the harness verified each step at its boundary (its docstring)
+            report, failure = trajectory.verifier_report, _step_failure(trajectory)
+            phases["verify"] = trajectory.verify_sec
+            phases["agent"] = max(phases["agent"] - trajectory.verify_sec, 0.0)
+        else:
+            report, failure = self._verify(sandbox)
+            phases["verify"] = time.monotonic() - started
         trajectory = dataclasses.replace(trajectory, verifier_report=report, verify_sec=phases["verify"])
         outcome["trajectory"] = trajectory
         if failure is not None:
@@ -793,6 +798,11 @@ class TrialScheduler:
             return f"{type(error).__name__}: {error}"
         finally:
             phases["close"] = time.monotonic() - started
+
+
+def _step_failure(trajectory: Trajectory) -> FailureCause | None:
+    """The infrastructure failure that spoiled a multi-step trial's verification, if any."""
+    return next((FailureCause(step.failure) for step in trajectory.step_reports if step.failure), None)
 
 
 def _unparsed(detail: str) -> VerifierReport:

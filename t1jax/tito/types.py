@@ -277,12 +277,44 @@ class TrialStats:
 
 
 @dataclass(frozen=True)
+class StepReport:
+    """One step of a multi-step task's trial (Harbor `[[steps]]`), as the harness drove it.
+
+    Invariants: a trajectory's `step_reports` are the steps the trial reached, in order, with
+    `index` 0, 1, 2, ... and `name` the task's step name; each was verified exactly once (its
+    `report`, `rewards` = `sandbox_service.steps.step_rewards(report)`), after its agent phase
+    ended with `agent_status` (COMPLETED, MAX_TURNS, AGENT_TIMEOUT or CONTEXT_EXHAUSTED: the
+    statuses after which a trial is verified). The step's turns are `trajectory.turns[first_turn:]`
+    up to the next step's `first_turn`. `failure` is "" when the report stands, else the
+    infrastructure failure that spoiled it: "verify_error" (verify raised, or its sandbox failed)
+    or "total_deadline" (the trial's total deadline passed), the values of
+    `t1jax.runtime.scheduler.FailureCause`."""
+
+    index: int
+    name: str
+    report: VerifierReport
+    rewards: dict[str, float] | None
+    agent_status: TrialStatus
+    agent_detail: str = ""
+    first_turn: int = 0
+    action_turns: int = 0
+    agent_sec: float = 0.0
+    verify_sec: float = 0.0
+    started_at: float = 0.0  # unix time the step began (its setup, then its agent phase)
+    failure: str = ""
+
+
+@dataclass(frozen=True)
 class Trajectory:
     """A whole trial as the harness produced it: token ids are the source of truth.
 
     Always returned by the harness, whatever happened; `status` and `detail` say how it ended.
-    `verifier_report` is attached by the caller after `Sandbox.verify()` (see
-    `t1jax.agent.harness.verify_trial`); the harness itself never verifies or closes sandboxes.
+    For a one-step task `verifier_report` is attached by the caller after `Sandbox.verify()` (see
+    `t1jax.agent.harness.verify_trial`), and `step_reports` is empty. For a multi-step task the
+    harness verifies each step at its boundary (`step_reports`, see `StepReport`) and attaches
+    `verifier_report` = `sandbox_service.steps.combined_report(task, [s.report for s in
+    step_reports])` itself, unless the trial ended with ERROR, ABORTED or PAUSED; `verify_sec` is
+    then the steps' verification time. The harness never closes sandboxes.
     """
 
     trial_id: str
@@ -296,6 +328,7 @@ class Trajectory:
     started_at: float = 0.0  # unix time
     verifier_report: VerifierReport | None = None
     verify_sec: float = 0.0
+    step_reports: tuple[StepReport, ...] = ()
 
     @property
     def turns(self) -> tuple[Turn, ...]:

@@ -1,0 +1,3 @@
+#!/bin/bash
+# Run by Harbor from the workdir before the step's agent.
+printf 'red\ngreen\nblue\n' > words.txt
