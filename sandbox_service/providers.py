@@ -11,6 +11,7 @@ it has no use for (`pull` means nothing to `local`).
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,9 @@ class ProviderSettings:
     `toolchain_dir`: the pinned verifier toolchain (`python -m sandbox_service.verifier --setup`);
     None is `<cache_dir>/<DEFAULT_TOOLCHAIN_SUBDIR>`. `allow_internet`: local and
     container let tasks that allow the network reach it. `pull`: the container backend's base
-    images (auto / never / always). `namespace`, `image_registry`, `runtime_class`: kubernetes.
+    images (auto / never / always); `insecure_registries` (host[:port]): registries it pulls from
+    over plain HTTP (a registry on localhost or a private network without TLS).
+    `namespace`, `image_registry`, `runtime_class`: kubernetes.
     `modal_app`: modal."""
 
     backend: str = "local"
@@ -41,6 +44,7 @@ class ProviderSettings:
     runtime_class: str | None = None
     modal_app: str = "t1jax-sandboxes"
     stand_in_dir: Path | None = None
+    insecure_registries: tuple[str, ...] = ()
 
     def toolchain(self) -> Path:
         from sandbox_service.verifier import DEFAULT_TOOLCHAIN_SUBDIR
@@ -55,7 +59,8 @@ class ProviderSettings:
         return cls(backend=args.backend, cache_dir=args.cache_dir, toolchain_dir=args.toolchain_dir,
                    allow_internet=args.allow_internet, pull=args.pull, namespace=args.namespace,
                    image_registry=args.image_registry, runtime_class=args.runtime_class,
-                   modal_app=args.modal_app)  # fmt: skip
+                   modal_app=args.modal_app,
+                   insecure_registries=tuple(args.insecure_registry or ()))  # fmt: skip
 
 
 def open_provider(settings: ProviderSettings) -> SandboxProvider:
@@ -73,6 +78,18 @@ def require_toolchain(settings: ProviderSettings) -> None:
     from sandbox_service.verifier import Toolchain
 
     Toolchain.at(settings.toolchain())
+
+
+_REGISTRY_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?")
+
+
+def registry_host(value: str) -> str:
+    """A registry's host[:port] as image references name it (no scheme, no path)."""
+    if not _REGISTRY_HOST.fullmatch(value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a registry host[:port] (e.g. localhost:5000; no scheme, no path)"
+        )
+    return value
 
 
 def add_backend_flags(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +116,11 @@ def add_backend_flags(parser: argparse.ArgumentParser) -> None:
         "--pull", choices=("auto", "never", "always"), default="auto",
         help="container: base images: a local copy, else a pull, else a stand-in (auto); "
         "never pull; pull first",
+    )  # fmt: skip
+    group.add_argument(
+        "--insecure-registry", action="append", type=registry_host, metavar="HOST[:PORT]",
+        help="container: pull base images from this registry over plain HTTP, no TLS (repeatable; "
+        "e.g. localhost:5000)",
     )  # fmt: skip
     group.add_argument(
         "--namespace", default="t1jax-sandboxes", help="kubernetes: namespace of the sandbox Pods"

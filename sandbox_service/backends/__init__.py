@@ -34,7 +34,8 @@ def _local_options(settings) -> dict[str, Any]:
 
 
 def _container_options(settings) -> dict[str, Any]:
-    return {**_local_options(settings), "pull": settings.pull}  # PodmanBackend(**options): a PodmanConfig
+    return {**_local_options(settings), "pull": settings.pull,  # PodmanBackend(**options): a PodmanConfig
+            "insecure_registries": tuple(settings.insecure_registries)}  # fmt: skip
 
 
 def _kubernetes_options(settings) -> dict[str, Any]:

@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from sandbox_service.admission import AdmissionConfig, AdmissionController
 from sandbox_service.backends.local import LocalBackend
+from sandbox_service.client import SandboxServiceClient
+from sandbox_service.server import ServiceThread, TaskStore, create_app
 from sandbox_service.steps import trial_reward
 from sandbox_service.tasks import load_task
 from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR, setup_toolchain
@@ -145,6 +148,28 @@ def test_a_failed_middle_step_scores_zero_and_the_trial_goes_on(backend):
     assert report.reward_value == trial_reward(task, [s.report for s in steps])["reward"]
     assert report.binary_outcome is False and not resolved(report)
     assert trajectory.status is TrialStatus.COMPLETED
+
+
+def test_the_steps_through_admission_control_and_the_http_service(backend, tmp_path):
+    """The service's step API (each `verify` opens the next step's agent phase) drives the same
+    trial to the same per-step results as the backend in process."""
+    task = load_task(TASK)
+    controller = AdmissionController(
+        backend, AdmissionConfig(create_rate_per_sec=None, reaper_interval_sec=0.1)
+    )
+    thread = ServiceThread(
+        create_app(controller, TaskStore(tmp_path / "store"), backend_name="local")
+    ).start()
+    client = SandboxServiceClient(thread.url, timeout_margin_sec=30)
+    try:
+        trajectory = play(client, task, lambda book: fail_step(1, book))
+    finally:
+        client.close()
+        thread.stop()
+        controller.shutdown()
+    assert [s.rewards["reward"] for s in trajectory.step_reports] == [1.0, 0.0, 1.0]
+    assert trajectory.verifier_report.reward_value == pytest.approx(2 / 3)
+    assert backend.live_sandboxes(RUN_ID) == []
 
 
 def test_min_reward_ends_the_trial_after_the_failed_step(backend, tmp_path):

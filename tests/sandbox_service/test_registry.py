@@ -6,6 +6,7 @@ task, pushes it, and names the digest the registry stored in the Pod spec (check
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import socket
 import subprocess
@@ -137,3 +138,39 @@ def test_the_kubernetes_image_path_builds_pushes_and_names_the_pushed_digest(
     audit = backend.environment_audit(task)
     assert audit.runnable and audit.image == container["image"]
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+
+
+def test_the_insecure_registry_flag_reaches_the_container_backend_and_its_pulls(
+    registry, tmp_path, toolchain_dir
+):
+    """`--insecure-registry HOST:PORT` (the service's, eval's and check-tasks' backend flags) is
+    what lets the container backend pull from a plain-HTTP registry: without it the same pull
+    fails (podman speaks TLS) and a stand-in is used."""
+    import argparse
+
+    from sandbox_service.providers import ProviderSettings, add_backend_flags, open_provider
+
+    engine = PodmanEngine()
+    recipe, _ = stand_in_for("python:3.11-slim")
+    pushed = f"{registry}/t1jax-flag/python:3.11-slim"
+    engine.call("tag", recipe.image_tag, pushed)
+    engine.call("push", "--quiet", "--tls-verify=false", pushed, timeout_sec=600)
+    parser = argparse.ArgumentParser()
+    add_backend_flags(parser)
+    common = ["--backend", "container", "--toolchain-dir", str(toolchain_dir), "--pull", "always"]
+    sources = {}
+    for name, extra in (("with", ["--insecure-registry", registry]), ("without", [])):
+        engine.call("rmi", "--force", pushed, check=False)  # only the registry has it
+        args = parser.parse_args([*common, "--cache-dir", str(tmp_path / name), *extra])
+        settings = ProviderSettings.from_args(args)
+        backend = open_provider(dataclasses.replace(settings, stand_in_dir=DEFAULT_STAND_IN_DIR))
+        try:
+            assert backend.config.insecure_registries == ((registry,) if extra else ())
+            sources[name] = backend.resolve_base(pushed).source
+        finally:
+            backend.close()
+    assert sources["with"] == "pulled" and sources["without"] != "pulled", sources
+    engine.call("rmi", "--force", pushed, check=False)
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--insecure-registry", "http://localhost:5000"])
+    assert exit_.value.code == 2
