@@ -10,6 +10,7 @@ early, and a one-step task's prompt is what it was (no step header)."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from sandbox_service.steps import trial_reward
 from sandbox_service.tasks import load_task
 from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR, setup_toolchain
 from t1jax.agent import prompts
+from t1jax.agent.chat_template import render_tool_call_text
 from t1jax.agent.harness import HarnessConfig, run_trial, verify_trial
 from t1jax.agent.scripted import ScriptedSampler
 from t1jax.agent.tokenizer import load_project_tokenizer
@@ -61,6 +63,21 @@ def backend(tmp_path_factory):
     assert not leaked, f"sandboxes left running: {leaked}"
 
 
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    """A real container (podman) backend; none of its containers is left at teardown."""
+    from sandbox_service.backends.podman import PodmanBackend, PodmanConfig
+    from sandbox_service.base_images import DEFAULT_STAND_IN_DIR
+
+    toolchain = setup_toolchain(REPO / DEFAULT_TOOLCHAIN_DIR, quiet=True).directory
+    config = PodmanConfig(cache_dir=tmp_path_factory.mktemp("container-cache"), toolchain_dir=toolchain,
+                          stand_in_dir=DEFAULT_STAND_IN_DIR, pull="never")  # fmt: skip
+    podman = PodmanBackend(config)
+    yield podman
+    podman.close()
+    assert podman.own_containers() == [], "containers left behind"
+
+
 def fail_step(index: int, book: TaskBook):
     """The oracle, except that in step `index` it declares the step complete at once."""
     oracle, nop = oracle_policy(book, max_command_sec=5.0), nop_policy()
@@ -71,13 +88,27 @@ def fail_step(index: int, book: TaskBook):
     return policy
 
 
-def play(backend, task, make_policy, trial_id="trial"):
+def stall_step(index: int, book: TaskBook, command: str = "sleep 1"):
+    """The oracle, except that in step `index` it runs `command` turn after turn, never completing."""
+    oracle = oracle_policy(book, max_command_sec=5.0)
+
+    def policy(call):
+        if current_step(call.prompt_text)[0] == index:
+            return "Still working.\n\n" + render_tool_call_text(
+                "shell", {"command": command, "duration": "1"}
+            )
+        return oracle(call)
+
+    return policy
+
+
+def play(backend, task, make_policy, trial_id="trial", config=CONFIG):
     book = TaskBook()
     book.register(trial_id, task)
     sandbox = backend.create(task, run_id=RUN_ID)
     try:
         trajectory = run_trial(
-            task, sandbox, ScriptedSampler(TOK, make_policy(book)), TOK, CONFIG, trial_id=trial_id,
+            task, sandbox, ScriptedSampler(TOK, make_policy(book)), TOK, config, trial_id=trial_id,
             sampling=SAMPLING,
         )  # fmt: skip
         assert verify_trial(trajectory, sandbox) is trajectory  # the harness verified every step
@@ -170,6 +201,45 @@ def test_the_steps_through_admission_control_and_the_http_service(backend, tmp_p
     assert [s.rewards["reward"] for s in trajectory.step_reports] == [1.0, 0.0, 1.0]
     assert trajectory.verifier_report.reward_value == pytest.approx(2 / 3)
     assert backend.live_sandboxes(RUN_ID) == []
+
+
+def test_a_failed_middle_step_on_the_container_backend(container):
+    """The same trial in a real container built from the task's Dockerfile: files and the
+    workdir's setup carried across steps, each step verified in turn."""
+    trajectory = play(container, load_task(TASK), lambda book: fail_step(1, book))
+    assert [s.rewards["reward"] for s in trajectory.step_reports] == [1.0, 0.0, 1.0]
+    assert trajectory.step_reports[1].report.passed == 1  # setup.sh ran in the container
+    assert trajectory.verifier_report.reward_value == pytest.approx(2 / 3)
+
+
+def test_a_step_ended_by_its_own_deadline_is_verified_and_the_next_step_gets_its_own(backend, tmp_path):
+    path = variant(
+        tmp_path,
+        lambda t: t.replace('name = "01-write"', 'name = "01-write"\n[steps.agent]\ntimeout_sec = 4'),
+    )
+    task = load_task(path)
+    assert task.steps[0].limits.agent_timeout_sec == 4
+    trajectory = play(backend, task, lambda book: stall_step(0, book))
+    first, *rest = trajectory.step_reports
+    assert first.agent_status is TrialStatus.AGENT_TIMEOUT and first.rewards == {"reward": 0.0}
+    assert [s.agent_status for s in rest] == [TrialStatus.COMPLETED] * 2, [s.agent_detail for s in rest]
+    assert [s.rewards["reward"] for s in rest] == [1.0, 0.0]  # 03-finish needs the file 01 never wrote
+    assert trajectory.status is TrialStatus.COMPLETED
+    assembly = assemble_trajectory(trajectory, 0.0, TOK)
+    assert all(b.case is BoundaryCase.EXACT for b in assembly.boundaries)
+
+
+def test_max_turns_applies_to_each_step(backend):
+    config = dataclasses.replace(CONFIG, max_turns=5)
+    trajectory = play(backend, load_task(TASK), lambda book: stall_step(1, book, command=""), config=config)
+    steps = trajectory.step_reports
+    assert [s.agent_status for s in steps] == [
+        TrialStatus.COMPLETED,
+        TrialStatus.MAX_TURNS,
+        TrialStatus.COMPLETED,
+    ]
+    assert steps[1].action_turns == 5 and trajectory.stats.action_turns == sum(s.action_turns for s in steps)
+    assert [s.rewards["reward"] for s in steps] == [1.0, 0.0, 1.0]
 
 
 def test_min_reward_ends_the_trial_after_the_failed_step(backend, tmp_path):
