@@ -13,17 +13,21 @@ real sandboxes, the JAX engine, the learner, the controller and the evaluator, a
     OUT/demonstrations/           demonstrations in real sandboxes (t1jax sft --collect-only), run
                                   while the base model pretrains
     OUT/sft/                      masked cross-entropy on them (t1jax sft --demonstrations)
-    OUT/warmup/                   critic warm-up: t1jax train with the actor held (§4.5); it
-                                  samples the SFT policy as RL samples, in groups of rollouts of
-                                  one task, so its groups are also the reward-variance check: the
-                                  share of tasks whose rollouts' rewards differ (RL's signal)
+    OUT/warmup/                   critic warm-up: t1jax train with the actor held (§4.5), a
+                                  number of epochs over RL's pool, sampling the SFT policy as RL
+                                  samples; the `critic gate <warmup>` stage after it lets RL start
+                                  only if its critic explains enough of the return's variance.
+                                  When its config samples groups of rollouts of one task, its
+                                  groups are also the reward-variance check (the share of tasks
+                                  whose rollouts' rewards differ: RL's signal)
     OUT/rl/                       RL from the SFT actor and the warmed-up critic (t1jax train);
                                   with --ablation also OUT/warmup-binary/ and OUT/rl-binary/ (only
                                   the reward differs, in the warm-up as in RL); each
                                   --campaign rl-NAME KEY=VALUE... adds OUT/rl-NAME/ (and
                                   OUT/warmup-NAME/ when an override can reach the warm-up)
-    OUT/eval/<ckpt>-<mode>/       t1jax eval on the held-out split, greedy and sampled (the paper's
-                                  protocol, §6.1: temperature 0.1, top-p 0.95, top-k 20, 3 attempts)
+    OUT/eval/<ckpt>-<mode>/       t1jax eval on the held-out split: sampled with the paper's
+                                  protocol (§6.1: temperature 0.1, top-p 0.95, top-k 20;
+                                  eval.sampled_attempts attempts), and greedy if eval.greedy
     OUT/<campaign>/plots/*.png    training curves and evaluation bars (t1jax.report.curves)
     OUT/summary.{json,md}         the table, the verdicts, the SFT reward-variance share, the
                                   held-out steps of the demonstrator's habits done, seconds
@@ -34,8 +38,9 @@ failure stopped it). The verdict: RL beats SFT and SFT beats base on the held-ou
 beyond the evaluation noise, i.e. the 95% paired bootstrap interval of the difference excludes 0,
 resampling held-out template *families* (each task's `[metadata].family`), not tasks: the
 tasks of one family succeed or fail together (`t1jax.eval.passk`). `make demo`'s exit status is
-that verdict; extra campaigns (the ablation, --campaign) are reported next to it, each against SFT
-and against the demo's own RL, whichever way they come out.
+that verdict. Extra campaigns (the ablation, --campaign) are reported next to it, each against SFT
+and against the demo's own RL; with --ablation the exit status also requires the paper's choice
+to beat each ablated alternative beyond the noise (`ablation_verdicts_hold`).
 """
 
 from __future__ import annotations
@@ -138,8 +143,9 @@ class SftStage:
 
 @dataclass(frozen=True)
 class EvalStage:
-    """The held-out evaluation of every checkpoint: greedy, and sampled with the paper's protocol
-    (§6.1: temperature 0.1, top-p 0.95, top-k 20, 3 attempts), which is what Table 1 reports."""
+    """The held-out evaluation of every checkpoint: sampled with the paper's protocol (§6.1:
+    temperature 0.1, top-p 0.95, top-k 20, `sampled_attempts` attempts; Table 1 reports 3), and
+    greedy too when `greedy`. Every verdict is judged in each mode evaluated."""
 
     concurrency: int = 8
     greedy: bool = True

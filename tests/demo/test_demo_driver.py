@@ -57,6 +57,15 @@ def _tiny_demo(tmp_path: Path) -> Path:
     return path
 
 
+def _shipped_with_greedy():
+    """The shipped demo config with its greedy evaluations on (`eval.greedy`, off in the shipped
+    file), so a test sees both modes' stages, jobs and verdicts."""
+    import dataclasses
+
+    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    return dataclasses.replace(config, eval=dataclasses.replace(config.eval, greedy=True)), base_dir
+
+
 def _demo(config: Path, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "t1jax.cli", "demo", "--config", str(config), "--out", str(out),
@@ -180,7 +189,7 @@ def test_a_second_seed_moves_every_training_and_eval_seed_but_not_the_suites(tmp
     for name in ("warmup", "rl"):  # each stage's own seed, offset
         own = load_run_config(DEMO_CONFIGS / f"{name}.yaml").run.seed
         assert f"run.seed={own + 1}" in second[name] and not any("run.seed" in p for p in first[name])
-    for name in ("eval sft greedy", "eval rl sampled"):
+    for name in ("eval sft sampled", "eval rl sampled"):
         assert int(flag(second[name], "--seed")) == int(flag(first[name], "--seed")) + 1
 
 
@@ -225,7 +234,7 @@ def test_every_evaluation_runs_under_the_harness_sft_taught_and_a_mismatch_is_re
     from t1jax.controller.config import ConfigError
     from t1jax.demo.driver import Demo
 
-    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    config, base_dir = _shipped_with_greedy()
     demo = Demo(config, base_dir, tmp_path)
     harness = tmp_path / "eval" / "harness.yaml"
     evals = [command for name, command in ((s.name, s.command) for s in demo.stages())
@@ -489,7 +498,7 @@ def test_rl_pool_narrows_what_the_warm_up_and_rl_draw_from(tmp_path):
     The stage's command is run for real on a small suite: what it writes is what they read."""
     from t1jax.demo.driver import Demo
 
-    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    config, base_dir = _shipped_with_greedy()
     tasks = dataclasses.replace(
         config.tasks, n=160, families_per_category=6, heldout_tasks=None, rl_families_per_category=2
     )
@@ -588,7 +597,7 @@ def test_a_campaign_is_the_rl_stage_plus_its_overrides_warm_up_shared_when_it_ca
     warms up its own, with that override but without the RL-only ones."""
     from t1jax.demo.driver import Demo
 
-    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    config, base_dir = _shipped_with_greedy()
     campaigns = {"rl-lr6": {"rl.actor_optimizer.learning_rate": 6e-4, "run.steps": 16},
                  "rl-t07": {"sampling.temperature": 0.7, "run.steps": 16},
                  "rl-center": {"rl.advantages.center": True,
@@ -886,7 +895,7 @@ def test_the_verdicts_resample_held_out_families_not_tasks(tmp_path):
             trials.append(trial)
         # the job's result.json as `t1jax eval` writes it from those trials
         (job / "result.json").write_text(json.dumps(aggregate(trials, [], 1)))
-    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    config, base_dir = _shipped_with_greedy()
     summary = Demo(config, base_dir, tmp_path).summarize([], 0.0)
 
     rl_over_sft = summary["verdicts"]["rl>sft (greedy)"]
@@ -912,7 +921,7 @@ def test_the_base_evaluated_on_a_sample_is_compared_on_the_tasks_both_evaluated(
     from t1jax.demo.driver import Demo
     from t1jax.eval.job import aggregate
 
-    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    config, base_dir = _shipped_with_greedy()
     sample = config.eval.base_task_sample
     from t1jax.data.suite import make_families, plan_tasks
 
@@ -1004,7 +1013,7 @@ def test_the_summary_counts_the_held_out_steps_of_the_demonstrators_habits(tmp_p
     demonstrations.mkdir()
     recorded = {"demonstrations": {"habits": {"sed-without-i": 0.65, "no-chmod": 0.65}}}
     (demonstrations / "config.json").write_text(json.dumps(recorded))
-    config, base_dir = load_demo_config(DEMO_CONFIGS / "demo.yaml")
+    config, base_dir = _shipped_with_greedy()
 
     summary = Demo(config, base_dir, tmp_path).summarize([], 0.0)
     count = lambda done, offered: {"done": done, "offered": offered}  # noqa: E731
