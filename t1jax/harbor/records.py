@@ -303,3 +303,38 @@ RUN_FIELDS = ("id", "started_at", "updated_at", "finished_at")
 # ... and the stats that count tokens: a trial's prompts hold terminal output, whose length
 # depends on timing (how far a command got when the screen was read)
 RUN_STATS_FIELDS = ("n_input_tokens", "n_cache_tokens", "n_output_tokens", "cost_usd")
+
+
+def verifier_reward(report) -> float:
+    """The reward Harbor records for a verifier report (`sandbox_service.contracts.VerifierReport`):
+    the task's reward file when it wrote one, else its pass/fail outcome; 0 for no report."""
+    if report is None:
+        return 0.0
+    if report.reward_value is not None:
+        return float(report.reward_value)
+    return 1.0 if report.binary_outcome else 0.0
+
+
+def verifier_report_json(report) -> dict[str, Any]:
+    """A verifier report as `verifier/report.json`."""
+    return {
+        "parsed": report.parsed,
+        "failure_cause": report.failure_cause.value,
+        "binary_outcome": report.binary_outcome,
+        "reward_value": report.reward_value,
+        "detail": report.detail[:2000],
+        "assertions": [{"name": a.name, "passed": a.passed} for a in report.assertions],
+    }
+
+
+def ctrf(report) -> dict[str, Any]:
+    """A verifier report's per-assertion record in CTRF form (`results.tests[{name, status}]`), as
+    a Harbor task's test.sh writes it with pytest-json-ctrf."""
+    tests = [{"name": a.name, "status": "passed" if a.passed else "failed"} for a in report.assertions]
+    return {
+        "results": {
+            "tool": {"name": "t1jax-verifier"},
+            "summary": {"tests": len(tests), "passed": report.passed, "failed": len(tests) - report.passed},
+            "tests": tests,
+        }
+    }
