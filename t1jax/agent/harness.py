@@ -38,7 +38,8 @@ agent phase does (task_complete, its own `max_turns`, its own agent deadline, a 
 the harness then verifies it (`Sandbox.verify`) and keeps the result (`Trajectory.step_reports`),
 and goes on unless `steps.stops_after` says the trial ends (no verifier result, a reward below
 the step's `min_reward`, the last step) or the context is full. `max_turns` and the agent
-deadline (the step's, or the config's if shorter) apply to each step. The trial's
+deadline (the step's, or the config's if shorter, or what the sandbox reports is left of it:
+`remaining_agent_sec`, a service's node cap) apply to each step. The trial's
 `verifier_report` is `steps.combined_report` over the steps verified: its reward is Harbor's
 (`multi_step_reward_strategy`: the mean over the verified steps, or the final step's), its
 binary outcome passes only when every step ran and passed. A one-step task runs exactly as
@@ -342,7 +343,8 @@ class _Trial:
         self._loop_state: tuple[np.ndarray, int, bool] | None = None  # (prompt, glue_start, confirm)
         self.started_at = time.time()
         self.started = time.monotonic()
-        self._start_clock(task.limits.agent_timeout_sec, since=self.started)
+        agent_sec = self._step_agent_sec(0) if task.steps else task.limits.agent_timeout_sec
+        self._start_clock(agent_sec, since=self.started)
         # A multi-step task's progress (the module docstring); a one-step task stays at step 0.
         self.step = 0
         self.step_reports: list[StepReport] = []
@@ -524,7 +526,7 @@ class _Trial:
         self.instruction = prompts.step_instruction(
             view.instruction, index, len(self.task.steps), step_name(self.task, index)
         )
-        self._start_clock(view.limits.agent_timeout_sec, since=self.step_started)
+        self._start_clock(self._step_agent_sec(index), since=self.step_started)
         self.step_first_action = self.stats.action_turns
         self.step_first_turn = sum(len(segment) for segment in self.segments)
         text = prompts.next_step_message(self.instruction)
@@ -656,6 +658,13 @@ class _Trial:
             timeout = min(timeout, self.config.agent_timeout_sec)
         self.deadline = (time.monotonic() if since is None else since) + timeout
         self.timeout = timeout
+
+    def _step_agent_sec(self, index: int) -> float:
+        """Step `index`'s agent deadline: its own, capped by what the sandbox says is left of it
+        (a service's node cap; the service opened the step's agent phase at the last verify)."""
+        limit = step_view(self.task, index).limits.agent_timeout_sec
+        remaining = getattr(self.sandbox, "remaining_agent_sec", None)
+        return min(limit, max(remaining(), 1e-3)) if remaining is not None else limit
 
     def _step_action_turns(self) -> int:
         return self.stats.action_turns - self.step_first_action

@@ -702,7 +702,9 @@ class TrialScheduler:
         else:
             config = self.harness
             remaining = getattr(sandbox, "remaining_agent_sec", None)
-            if remaining is not None:  # the node may cap the task's own agent deadline
+            # The node may cap the task's own agent deadline (a multi-step task's harness asks
+            # the sandbox at each step instead: a step's phase opens at the previous verify).
+            if remaining is not None and not spec.task.steps:
                 agent_sec = min(config.agent_timeout_sec or math.inf, remaining())
                 if math.isfinite(agent_sec):
                     config = dataclasses.replace(config, agent_timeout_sec=max(agent_sec, 1e-3))

@@ -229,6 +229,44 @@ def test_a_step_ended_by_its_own_deadline_is_verified_and_the_next_step_gets_its
     assert all(b.case is BoundaryCase.EXACT for b in assembly.boundaries)
 
 
+def test_through_the_scheduler_each_step_gets_its_own_deadline(backend, tmp_path):
+    """The trial scheduler over admission control: the first step (4 s) runs out, the second
+    (its own 300 s) needs more than the first step had and still completes; the scheduler takes
+    the harness's verification of every step as the trial's."""
+    from t1jax.rl.reward import RewardConfig
+    from t1jax.runtime.scheduler import TrialFate, TrialScheduler, TrialSpec
+
+    path = variant(
+        tmp_path,
+        lambda t: t.replace('name = "01-write"', 'name = "01-write"\n[steps.agent]\ntimeout_sec = 4'),
+    )
+    task = load_task(path)
+    book = TaskBook()
+    book.register("sched", task)
+    slow_second = lambda call: 1.5 if current_step(call.prompt_text)[0] == 1 else 0.0  # noqa: E731
+    sampler = ScriptedSampler(TOK, stall_step(0, book), delay_sec=slow_second)
+    controller = AdmissionController(
+        backend, AdmissionConfig(create_rate_per_sec=None, reaper_interval_sec=0.1)
+    )
+    try:
+        with TrialScheduler(sampler=sampler, sandboxes=controller, tokenizer=TOK, harness=CONFIG,
+                            reward=RewardConfig(), run_id=RUN_ID, concurrency=1) as scheduler:  # fmt: skip
+            (trial,) = scheduler.run([TrialSpec("sched", task, SAMPLING, 1)])
+    finally:
+        controller.shutdown()
+    assert trial.fate is TrialFate.COMPLETED, (trial.cause, trial.detail)
+    steps = trial.trajectory.step_reports
+    assert [s.agent_status for s in steps] == [
+        TrialStatus.AGENT_TIMEOUT,
+        TrialStatus.COMPLETED,
+        TrialStatus.COMPLETED,
+    ]
+    assert steps[1].agent_sec > 4.5 and steps[1].rewards == {"reward": 1.0}
+    # scored on every step's assertions: 01 none of 1, 02 both, 03 none of 2 (01 never wrote one.txt)
+    assert (trial.reward.passed, trial.reward.total, trial.reward.binary_outcome) == (2, 5, False)
+    assert trial.timings.verify == pytest.approx(trial.trajectory.verify_sec)
+
+
 def test_max_turns_applies_to_each_step(backend):
     config = dataclasses.replace(CONFIG, max_turns=5)
     trajectory = play(backend, load_task(TASK), lambda book: stall_step(1, book, command=""), config=config)
