@@ -611,7 +611,7 @@ def run_config_from_dict(raw: Mapping[str, Any], *, source: str = "<dict>") -> R
 
 
 def _launch_from_dict(value: Any):
-    from t1jax.launch.manifests import LaunchParams
+    from t1jax.launch_params import LaunchParams
 
     if not isinstance(value, Mapping):
         raise ConfigError(f"launch: must be a mapping of keys, got {type(value).__name__}")
