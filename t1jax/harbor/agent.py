@@ -41,6 +41,7 @@ from typing import Any
 from harbor.agents.base import BaseAgent
 from harbor.environments.base import BaseEnvironment
 from harbor.models.agent.context import AgentContext
+from harbor.models.trial.result import AgentInfo, ModelInfo
 
 _AGENT_KWARGS = ("mode", "python", "concurrency", "devices")
 _START_TIMEOUT_SEC = 1800.0  # loading and compiling a checkpoint on a slow host
@@ -187,6 +188,14 @@ class T1jaxAgent(BaseAgent):
             return version("t1jax")
         except PackageNotFoundError:
             return None
+
+    def to_agent_info(self) -> AgentInfo:
+        """As `t1jax eval` records a checkpoint's agent (`t1jax.harbor.records.agent_info`): the
+        checkpoint directory's name, provider t1jax (not a LiteLLM provider parsed from a path)."""
+        model = None
+        if self.model_name:
+            model = ModelInfo(name=Path(self.model_name).name or self.model_name, provider="t1jax")
+        return AgentInfo(name=self.name(), version=self.version() or "unknown", model_info=model)
 
     def _worker(self) -> _Worker:
         key = json.dumps([self.python, self.start_message], sort_keys=True)
