@@ -1,7 +1,7 @@
 """The Harbor suite runs only in the Python 3.12 environment `make setup-harbor` builds (a pinned
 `harbor` from PyPI, t1jax installed without its dependencies), through `make test-harbor`:
 Harbor's own models and readers check what t1jax writes and reads. Elsewhere (the default 3.11
-suite, where `harbor` cannot be installed) this directory is not collected;
+suite, where `harbor` cannot be installed) only test_worker.py, which needs no `harbor`, is collected;
 `T1JAX_HARBOR=1` (set by the make target) turns a missing package into a collection error.
 
 The jobs Harbor reads are written by `t1jax eval` running in the project's own venv
@@ -25,10 +25,12 @@ try:  # a real submodule: pytest puts tests/ on sys.path, where `harbor` is this
     _INSTALLED = True
 except ImportError:
     _INSTALLED = False
+# The worker's tests need no `harbor` (its other end is played by the test): both suites run them.
+_WITHOUT_HARBOR = ("test_worker.py",)
 if not _INSTALLED:
     if os.environ.get("T1JAX_HARBOR") == "1":
         raise pytest.UsageError("the Harbor suite needs the `harbor` package: run `make setup-harbor`")
-    collect_ignore_glob = ["test_*.py"]
+    collect_ignore = [p.name for p in Path(__file__).parent.glob("test_*.py") if p.name not in _WITHOUT_HARBOR]
 
 
 def pytest_collection_modifyitems(config, items):
