@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 from harbor.models.task.config import MultiStepRewardStrategy, TaskConfig
 from harbor.models.task.task import Task as HarborTask
+from harbor.models.trajectories.trajectory import Trajectory
 from harbor.models.trial.result import TrialResult
 from harbor.trial.trial import Trial
 
@@ -30,7 +31,9 @@ def job(tmp_path_factory) -> Path:
     shutil.copytree(TASK, tasks / "broken-middle")
     toml = tasks / "broken-middle" / "task.toml"
     toml.write_text(toml.read_text().replace("multistep/three-steps", "multistep/broken-middle"))
-    (tasks / "broken-middle" / "steps" / "02-count" / "solution" / "solve.sh").write_text("#!/bin/bash\ntrue\n")
+    (tasks / "broken-middle" / "steps" / "02-count" / "solution" / "solve.sh").write_text(
+        "#!/bin/bash\ntrue\n"
+    )
     out = tmp_path_factory.mktemp("multi-step-job") / "job"
     t1jax("eval", "--tasks", str(tasks), "--agent", "oracle", "--attempts", "1", "--concurrency", "2",
           "--out", str(out), "--no-progress")  # fmt: skip
@@ -48,7 +51,10 @@ def test_harbor_reads_the_task_as_multi_step():
     task = HarborTask(TASK)
     assert task.has_steps
     assert [step.name for step in task.config.steps] == ["01-write", "02-count", "03-finish"]
-    assert task.step_instruction("02-count").strip() == (TASK / "steps/02-count/instruction.md").read_text().strip()
+    assert (
+        task.step_instruction("02-count").strip()
+        == (TASK / "steps/02-count/instruction.md").read_text().strip()
+    )
 
 
 def test_harbor_accepts_the_step_results_and_selects_the_reward_we_recorded(job):
@@ -68,5 +74,14 @@ def test_harbor_accepts_the_step_results_and_selects_the_reward_we_recorded(job)
             [s.verifier_result.rewards["reward"] for s in result.step_results],
             harbor_reward(result, final).rewards["reward"],
         )
+        # the whole conversation is one ATIF trajectory; each later step's instruction is the
+        # observation fed back after the previous step's last reply
+        trajectory = Trajectory.model_validate_json((directory / "agent" / "trajectory.json").read_text())
+        fed_back = [
+            r.content for step in trajectory.steps if step.observation for r in step.observation.results
+        ]
+        for name in ("02-count", "03-finish"):
+            instruction = (TASK / "steps" / name / "instruction.md").read_text().strip()
+            assert sum(instruction in text and "The previous step is over" in text for text in fed_back) == 1
     assert seen["multistep/three-steps"] == ([1, 1, 1], 1)
     assert seen["multistep/broken-middle"] == ([1, 0, 1], 1)  # "final": the last step's reward
