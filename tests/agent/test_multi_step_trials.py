@@ -296,6 +296,25 @@ def test_min_reward_ends_the_trial_after_the_failed_step(backend, tmp_path):
     assert task.steps[2].instruction.strip() not in TOK.decode(trajectory.turns[-1].prompt_ids)
 
 
+def test_a_failed_step_setup_ends_the_trial_as_harbor_does(backend, tmp_path):
+    path = variant(tmp_path, lambda text: text)
+    (path / "steps" / "02-count" / "workdir" / "setup.sh").write_text(
+        "#!/bin/bash\necho broken >&2\nexit 3\n"
+    )
+    task = load_task(path)
+    trajectory = play(backend, task, lambda book: oracle_policy(book, max_command_sec=5.0))
+    assert [s.name for s in trajectory.step_reports] == ["01-write"]
+    assert "02-count's setup exited 3: broken" in trajectory.detail
+    report = trajectory.verifier_report
+    # Harbor: the step that never ran has no verifier result and counts in no mean
+    assert report.reward_value == 1.0 and report.binary_outcome is False and not resolved(report)
+    assert {a.name for a in report.assertions if not a.passed} == {
+        "02-count::(not run)",
+        "03-finish::(not run)",
+    }
+    assert task.steps[1].instruction.strip() not in TOK.decode(trajectory.turns[-1].prompt_ids)
+
+
 def test_the_final_strategy_scores_the_last_step(backend, tmp_path):
     path = variant(tmp_path, lambda text: text.replace('"mean"', '"final"'))
     task = load_task(path)
