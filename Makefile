@@ -28,7 +28,7 @@ DEFAULT_STAND_INS := python:3.11-slim python:3.11 debian:bookworm python:3.12-sl
 	ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624
 CORPUS_STAND_INS := golang:1.24-bookworm eclipse-temurin:21-jdk gcc:14 buildpack-deps:jammy
 
-.PHONY: setup setup-system setup-containers test test-slow test-containers bench bench-all lint setup-tpu \
+.PHONY: setup setup-system setup-containers test test-slow test-wheel test-containers bench bench-all lint setup-tpu \
 	test-tpu-contract demo ablation setup-harbor test-harbor
 
 setup: setup-system
@@ -76,6 +76,11 @@ ablation:
 
 test-slow:
 	$(PY) -m pytest -m "slow" -q
+
+# The wheel built, installed in a fresh venv (dependencies from $(VENV), no network) and run from
+# another directory: t1jax plan and t1jax eval --agent oracle (tests/test_wheel.py, ~1 min).
+test-wheel:
+	$(PY) -m pytest -m wheel -q -n 0 tests/test_wheel.py
 
 # The fidelity corpus through check-tasks on the local and the container backend.
 test-containers: setup-containers

@@ -108,7 +108,7 @@ class DevicesSection:
 
 @dataclass(frozen=True)
 class TrainerSection:
-    """A named sharding plan (`configs/plans/<plan>.yaml`), or mesh axis sizes over the trainer
+    """A named sharding plan (`t1jax/parallel/plans/<plan>.yaml`), or mesh axis sizes over the trainer
     devices (e.g. {fsdp: 2, expert: 2}); neither: every trainer device on `fsdp`."""
 
     plan: str | None = None

@@ -98,7 +98,8 @@ from t1jax.parallel.plan import MESH_AXES, ShardingPlan
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "configs" / "capacity"
+# package data (pyproject.toml): the fit `t1jax plan --calibrate` writes and `default_calibration` reads
+DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "calibration" / "cpu_tiny.json"
 ROLES = ("actor", "critic")
 ATTENTION = ("dense", "blockwise")
 RESIDENCY = ("co-resident", "offload")
@@ -236,8 +237,8 @@ class Calibration:
 
 
 def default_calibration() -> Calibration:
-    """The stored calibration of the tiny model (``configs/capacity/cpu_tiny.json``)."""
-    return Calibration.load(CALIBRATION_DIR / "cpu_tiny.json")
+    """The stored calibration of the tiny model (``DEFAULT_CALIBRATION``)."""
+    return Calibration.load(DEFAULT_CALIBRATION)
 
 
 # --------------------------------------------------------------------------------------------------

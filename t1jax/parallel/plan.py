@@ -2,7 +2,8 @@
 
 A ``ShardingPlan`` names the degree of each parallel axis (data, fsdp, expert, tensor, context,
 pipeline) and the options that change what a step keeps in memory (layer remat, the MoE
-collective). Plans are named in YAML files under ``configs/plans/`` (``load_plan``).
+collective). Named plans are YAML files shipped with the package, ``t1jax/parallel/plans/``
+(``load_plan``; any other file is given by its path).
 
 Axis semantics (the mesh has axes ``MESH_AXES``; their product is the device count):
 - ``data``: replicas; the batch is split, parameters are replicated.
@@ -43,7 +44,7 @@ from t1jax.parallel import rules as logical
 
 MESH_AXES = logical.MESH_AXES
 BATCH_AXES = ("data", "fsdp", "expert")
-PLANS_DIR = Path(__file__).resolve().parents[2] / "configs" / "plans"
+PLANS_DIR = Path(__file__).resolve().parent / "plans"  # package data (pyproject.toml)
 REMAT_POLICIES = ("none", "layer")
 MOE_COLLECTIVES = ("auto", "ragged", "padded")
 
@@ -125,7 +126,7 @@ class ShardingPlan:
 
 
 def load_plan(name_or_path: str | Path) -> ShardingPlan:
-    """A plan from a YAML file (path) or by name from ``configs/plans/<name>.yaml``.
+    """A plan from a YAML file (a path) or by name from ``PLANS_DIR/<name>.yaml``.
 
     The file holds the plan's fields under a ``plan:`` key (or at the top level); ``devices``,
     if present, must equal the product of the degrees."""

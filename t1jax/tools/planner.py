@@ -103,7 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="recompile the tiny model's train step, refit the calibration, print validation errors",
     )
-    parser.add_argument("--calibration-out", type=Path, help="with --calibrate: where to write the JSON")
+    parser.add_argument(
+        "--calibration-out", type=Path,
+        help="with --calibrate: where to write the JSON (default: the stored one, in the package)",
+    )  # fmt: skip
     parser.add_argument(
         "--lower",
         action="store_true",
@@ -236,8 +239,9 @@ def run(args: argparse.Namespace) -> int:
         f"learner: actor and critic steps time-share the devices; {assumptions.residency} ({resident}); "
         "each row is the larger step (role column)"
     )
+    source = args.calibration or f"stored {capacity.DEFAULT_CALIBRATION.name}"
     print(
-        f"calibration: {args.calibration or 'configs/capacity/cpu_tiny.json'} ({calibration.backend}, jax "
+        f"calibration: {source} ({calibration.backend}, jax "
         f"{calibration.jax_version}): c_act {calibration.activation:.3f}, c_moe {calibration.dispatch:.3f}, "
         f"c_saved {calibration.saved:.3f}, c_block {calibration.blocks:.3f}, "
         f"c_attn {calibration.attention:.3f}, c_mask {calibration.mask:.3f}, "
@@ -309,7 +313,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     base = load_config(args.config)
     calibration = calibrate(base)
-    out = args.calibration_out or (capacity.CALIBRATION_DIR / "cpu_tiny.json")
+    out = args.calibration_out or capacity.DEFAULT_CALIBRATION
     calibration.save(out)
     print(f"wrote {out}")
     print(calibration.to_json())
