@@ -194,7 +194,7 @@ class PretrainConfig:
     long lists of words and paths (`_LONG_ITEM_LISTS`), the rest on the mix (`_KINDS`), where a
     copy is separated from its source by number lines with probability `distractor_rate`."""
 
-    model: str = "configs/demo/model.yaml"
+    model: str = ""  # a model preset (YAML) or config.json: `run_pretrain` needs one
     seed: int = 0
     steps: int = 450
     long_list_steps: int = 150
@@ -233,6 +233,8 @@ def run_pretrain(
     from t1jax.rl.optim import OptimizerConfig
 
     say = progress or (lambda message: print(message, file=sys.stderr, flush=True))
+    if not config.model:
+        raise UsageError("PretrainConfig.model: give a model preset (YAML) or config.json")
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UsageError(f"{out_dir} exists and is not empty; choose a new --out")

@@ -39,8 +39,6 @@ from sandbox_service.cli_contract import UsageError, checking_input
 from t1jax.agent.harness import HarnessConfig, TerminalMode
 from t1jax.yamlio import load_yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 
 @dataclass(frozen=True)
 class DemoConfig:
@@ -84,10 +82,11 @@ class TrainConfig:
 @dataclass(frozen=True)
 class SFTConfig:
     """`model`: a model preset (YAML) or HF `config.json`, used for a random init; `init`: a
-    checkpoint directory to start from instead (the base model). Relative paths resolve against
-    the config file's directory, then the repository root."""
+    checkpoint directory to start from instead (the base model); one of them is needed (`run_sft`
+    checks). Relative paths resolve against the config file's directory, then the working
+    directory."""
 
-    model: str = "configs/demo/model.yaml"
+    model: str | None = None
     init: str | None = None
     seed: int = 0
     harness: HarnessConfig = field(default_factory=HarnessConfig)
@@ -127,7 +126,7 @@ def load_sft_config(path: str | Path) -> SFTConfig:
     config = sft_config_from_dict(raw, source=str(path))
     return dataclasses.replace(
         config,
-        model=str(resolve_path(config.model, path.parent)),
+        model=None if config.model is None else str(resolve_path(config.model, path.parent)),
         init=None if config.init is None else str(resolve_path(config.init, path.parent)),
     )
 
@@ -136,7 +135,7 @@ def resolve_path(value: str, base: Path) -> Path:
     candidate = Path(value)
     if candidate.is_absolute():
         return candidate
-    for root in (base, REPO_ROOT, Path.cwd()):
+    for root in (base, Path.cwd()):
         if (root / candidate).exists():
             return (root / candidate).resolve()
     return candidate
@@ -189,6 +188,8 @@ def run_sft(
     say = progress or (lambda message: print(message, file=sys.stderr, flush=True))
     if collect_only and demonstrations is not None:
         raise UsageError("collect_only and demonstrations exclude each other")
+    if config.model is None and config.init is None and not collect_only:
+        raise UsageError("the SFT config needs model: (a preset or config.json) or init: (a checkpoint)")
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UsageError(f"{out_dir} exists and is not empty; choose a new --out")
@@ -389,7 +390,7 @@ def _local_sandboxes(max_live: int):
     from sandbox_service.admission import AdmissionConfig, AdmissionController
     from sandbox_service.verifier import DEFAULT_TOOLCHAIN_DIR, setup_toolchain
 
-    toolchain = setup_toolchain(REPO_ROOT / DEFAULT_TOOLCHAIN_DIR, quiet=True).directory
+    toolchain = setup_toolchain(DEFAULT_TOOLCHAIN_DIR, quiet=True).directory  # where `t1jax train` looks
     backend = open_provider(ProviderSettings(backend="local", toolchain_dir=toolchain))
     admission = AdmissionController(
         backend, AdmissionConfig(max_live_sandboxes=max_live, create_rate_per_sec=None)

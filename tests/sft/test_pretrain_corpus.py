@@ -6,6 +6,7 @@ really forms a content-addressed copy of paths at distances it never trained on.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -83,6 +84,15 @@ def test_config_rejects_nonsense():
         PretrainConfig(distractor_rate=1.5)
 
 
+def test_pretraining_needs_a_model_preset(tmp_path):
+    from sandbox_service.cli_contract import UsageError
+    from t1jax.sft.pretrain import run_pretrain
+
+    with pytest.raises(UsageError, match="model preset"):
+        run_pretrain(PretrainConfig(), tmp_path / "pt", progress=lambda message: None)
+    assert not (tmp_path / "pt").exists()  # refused before anything is written
+
+
 @pytest.mark.slow
 def test_pretraining_copies_paths_by_content_at_unseen_distances(tmp_path):
     """The demo's recipe (configs/demo/demo.yaml's base) copies a path's word token after up to
@@ -96,7 +106,8 @@ def test_pretraining_copies_paths_by_content_at_unseen_distances(tmp_path):
     from t1jax.sft.pretrain import run_pretrain
 
     tokenizer = load_project_tokenizer()
-    run_pretrain(PretrainConfig(), tmp_path / "pt", progress=lambda message: None)
+    model = str(Path(__file__).resolve().parents[2] / "configs" / "demo" / "model.yaml")
+    run_pretrain(PretrainConfig(model=model), tmp_path / "pt", progress=lambda message: None)
     model = from_pretrained(tmp_path / "pt" / "checkpoint", dtype=jnp.float32)
     rng = random.Random(7)
     for distance in (10, 120, 250):

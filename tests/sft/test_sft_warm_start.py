@@ -278,6 +278,9 @@ def test_sft_cli_rejects_bad_input(tmp_path, suite):
                     "--out", str(tmp_path / "o"))  # fmt: skip
     assert habit.returncode == 2 and "habits ['sed-without-l']: no idiom and no step of these" in habit.stderr
     assert "Traceback" not in habit.stderr
+    bad.write_text("seed: 0\n")  # neither model: nor init: (there is no default model)
+    nomodel = run_cli("--config", str(bad), "--tasks", str(suite / "train"), "--out", str(tmp_path / "o"))
+    assert nomodel.returncode == 2 and "needs model: (a preset or config.json) or init:" in nomodel.stderr
     assert not (tmp_path / "o").exists()  # nothing written by a refused run
 
 
