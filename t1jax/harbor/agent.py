@@ -6,12 +6,12 @@ environments, with `t1jax eval`'s harness and prompt profile.
     harbor run -p TASKS -a t1jax.harbor.agent:T1jaxAgent --ak mode=oracle     # no model: the plumbing
 
 How it reaches t1jax: Harbor needs Python >= 3.12 and imports this module in its own process; the
-policy (JAX, the engine, the tokenizer) runs in a worker process, `python -m t1jax.harbor.worker`,
+policy (JAX, the engine, the tokenizer) runs in a worker process, `python -m t1jax.eval.harbor_worker`,
 started with the interpreter of t1jax's environment: the agent kwarg `python`, else
 `$T1JAX_PYTHON`, else Harbor's own interpreter (t1jax installed with its dependencies beside
 Harbor). One worker serves every trial of the job with the same settings (the model loads once and
 the engine batches concurrent trials); the trial's commands come back over the pipe and run in
-Harbor's environment (`t1jax.harbor.worker` has the protocol). This module imports only Harbor and
+Harbor's environment (`t1jax.eval.harbor_worker` has the protocol). This module imports only Harbor and
 the standard library.
 
 Agent kwargs (`--ak NAME=VALUE`): `mode` (model | oracle | nop; model when `-m` names a
@@ -53,7 +53,7 @@ class WorkerError(RuntimeError):
 
 
 class _Worker:
-    """One `python -m t1jax.harbor.worker` process and its pipe, shared by the trials of a job."""
+    """One `python -m t1jax.eval.harbor_worker` process and its pipe, shared by the trials of a job."""
 
     def __init__(self, python: str, start: dict) -> None:
         self.python, self.start_message = python, start
@@ -70,7 +70,7 @@ class _Worker:
             if self.ready is not None and self.process is not None and self.process.returncode is None:
                 return self.ready
             self.process = await asyncio.create_subprocess_exec(
-                self.python, "-m", "t1jax.harbor.worker", stdin=asyncio.subprocess.PIPE,
+                self.python, "-m", "t1jax.eval.harbor_worker", stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=None, limit=1 << 30,
             )  # fmt: skip
             await self.send(self.start_message)

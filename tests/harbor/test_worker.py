@@ -1,4 +1,4 @@
-"""The t1jax agent's worker (`python -m t1jax.harbor.worker`, in t1jax's venv) over its pipe, with
+"""The t1jax agent's worker (`python -m t1jax.eval.harbor_worker`, in t1jax's venv) over its pipe, with
 the other end played the way `T1jaxAgent` plays it, but with a real local sandbox instead of a
 Harbor environment. Needs no `harbor`: it runs in the default suite and in `make test-harbor`.
 
@@ -32,7 +32,7 @@ def _python() -> str:
 class _Pipe:
     def __init__(self, start: dict) -> None:
         self.process = subprocess.Popen(
-            [_python(), "-m", "t1jax.harbor.worker"], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [_python(), "-m", "t1jax.eval.harbor_worker"], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self.send(start)

@@ -3,7 +3,7 @@ environment that holds the policy (a checkpoint behind the JAX engine, or the or
 policy of `t1jax eval`) and runs `t1jax eval`'s harness (`t1jax.agent.harness.run_trial`) for every
 trial Harbor starts, while the commands run in Harbor's environment, over the agent's pipe.
 
-    python -m t1jax.harbor.worker        # started by T1jaxAgent; speaks JSON lines on stdin/stdout
+    python -m t1jax.eval.harbor_worker        # started by T1jaxAgent; speaks JSON lines on stdin/stdout
 
 Protocol (one JSON object per line; the worker's own stdout is moved to stderr first, so nothing a
 library prints can corrupt it):
